@@ -1,0 +1,34 @@
+# The two commands a fresh clone needs: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SWAP_DIR ?= swap
+
+.PHONY: test demo lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch 2.13.0's CPU wheel lies on these machines; pin it so pip never pulls a CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff format --check tierswap tests bench examples
+	$(BIN)/ruff check tierswap tests bench examples
+	$(BIN)/python -m pytest -m "not slow" -q
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py --swap-dir $(SWAP_DIR)
+
+lint:
+	$(BIN)/ruff format tierswap tests bench examples
+	$(BIN)/ruff check --fix tierswap tests bench examples
+
+bench: $(STAMP)
+	$(BIN)/python bench/io_throughput.py
+
+clean:
+	rm -rf $(VENV) $(SWAP_DIR) .pytest_cache .ruff_cache

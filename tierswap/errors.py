@@ -1,0 +1,77 @@
+"""One exception tree for tierswap.
+
+Every error subclasses :class:`TierswapError` and, where one fits, the matching builtin, so
+``except KeyError`` or ``except OSError`` in user code keeps working. Messages name the offending
+value and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "BudgetError",
+    "ConfigError",
+    "CorruptionError",
+    "InvalidKeyError",
+    "InvalidTensorError",
+    "KeyNotFoundError",
+    "OutOfSpaceError",
+    "ReadOnlyError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "TierswapError",
+]
+
+
+class TierswapError(Exception):
+    """Base class of every error tierswap raises on purpose."""
+
+
+class ConfigError(TierswapError, ValueError):
+    """A setting is invalid (a size that does not parse, a budget below the minimum, ...)."""
+
+
+class BudgetError(ConfigError):
+    """A tier's byte budget cannot hold what was asked of it."""
+
+
+class InvalidKeyError(TierswapError, ValueError):
+    """A key is malformed or could escape the store's folder."""
+
+
+class KeyNotFoundError(TierswapError, KeyError):
+    """A key is not in the store or cache."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidTensorError(TierswapError, ValueError):
+    """A tensor (or an ``out=`` buffer) cannot be stored or filled as asked."""
+
+
+class CorruptionError(TierswapError, OSError):
+    """Stored bytes or metadata fail their checksum or do not parse."""
+
+
+class OutOfSpaceError(TierswapError, OSError):
+    """The disk is full. The last commit is intact; free space and retry."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+
+class StoreLockedError(TierswapError, RuntimeError):
+    """Another writer holds the store's lock."""
+
+
+class ReadOnlyError(TierswapError, PermissionError):
+    """A write was attempted on a store opened with ``mode="r"``."""
+
+
+class StoreClosedError(TierswapError, RuntimeError):
+    """The store or cache was used after ``close()``."""
