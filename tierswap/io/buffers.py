@@ -1,0 +1,50 @@
+"""Host buffers the I/O engine can read into and write from without a bounce copy.
+
+O_DIRECT needs buffer addresses, lengths and file offsets aligned to 4 KiB. Buffers made here are
+page-aligned and their capacity is rounded up to 4 KiB; when CUDA is present they are pinned
+(page-locked, and the CUDA host allocator returns page-aligned memory), so host<->device copies can
+run asynchronously on a side stream.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from tierswap.config import ALIGN, round_up
+
+__all__ = ["aligned_empty", "cuda_pinning_available", "is_aligned"]
+
+
+def cuda_pinning_available() -> bool:
+    """True when pinned host memory can be allocated (a CUDA device is present)."""
+    return torch.cuda.is_available()
+
+
+def aligned_empty(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, pin: bool | None = None
+) -> torch.Tensor:
+    """An uninitialised CPU tensor whose storage starts on a page and spans whole pages.
+
+    ``pin=None`` pins when CUDA is available. The tensor's storage is at least
+    ``round_up(nbytes, 4096)`` bytes, so a whole-page read may land in it directly.
+    """
+    shape = tuple(shape)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * dtype.itemsize
+    capacity = max(round_up(nbytes, ALIGN), ALIGN)
+    pin = cuda_pinning_available() if pin is None else pin
+    if pin:
+        raw = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+    else:
+        # Anonymous mappings are page-aligned; the tensor keeps the mapping alive.
+        raw = torch.frombuffer(mmap.mmap(-1, capacity), dtype=torch.uint8)
+    return raw[:nbytes].view(dtype).view(shape) if numel else raw[:0].view(dtype).view(shape)
+
+
+def is_aligned(address: int, length: int = 0) -> bool:
+    """True when both ``address`` and ``length`` are multiples of the O_DIRECT alignment."""
+    return address % ALIGN == 0 and length % ALIGN == 0
