@@ -1,0 +1,8 @@
+"""Offloaded optimizers: torch optimizers whose state lives in the tier cache."""
+
+from __future__ import annotations
+
+from tierswap.optim._convert import offload, swapped
+from tierswap.optim.optimizer import SwapOptimizer
+
+__all__ = ["SwapOptimizer", "offload", "swapped"]

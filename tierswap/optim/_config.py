@@ -1,0 +1,55 @@
+"""Settings of a SwapOptimizer, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from tierswap.config import Size, parse_size
+from tierswap.errors import ConfigError
+
+__all__ = ["SwapConfig"]
+
+_OVERLAPS = (None, "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapConfig:
+    """Where and how a :class:`~tierswap.SwapOptimizer` keeps its state.
+
+    ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
+    ``device_budget=0`` turns the device tier off. ``commit_every=0`` never commits on its own.
+    """
+
+    swap_dir: str | Path | None = None
+    host_budget: Size | None = None
+    device_budget: Size = 0
+    policy: Any = "lookahead"
+    durable: bool = True
+    commit_every: int = 1
+    resume: bool = False
+    overlap: str | None = None
+    accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.host_budget is not None:
+            object.__setattr__(
+                self, "host_budget", parse_size(self.host_budget, name="host_budget")
+            )
+        object.__setattr__(
+            self, "device_budget", parse_size(self.device_budget, name="device_budget")
+        )
+        if not isinstance(self.commit_every, int) or self.commit_every < 0:
+            raise ConfigError(
+                f"commit_every={self.commit_every!r} must be an int >= 0 (0: commit only on "
+                "commit()); try 1"
+            )
+        if self.overlap not in _OVERLAPS:
+            raise ConfigError(f"overlap={self.overlap!r} must be None or 'backward'")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ConfigError(
+                f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1"
+            )
+        if self.resume and self.swap_dir is None:
+            raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")

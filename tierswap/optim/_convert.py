@@ -1,0 +1,51 @@
+"""Adapters: wrap an existing optimizer instance, or make a class frameworks can instantiate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierswap.optim._config import SwapConfig
+from tierswap.optim.optimizer import SwapOptimizer
+
+__all__ = ["offload", "swapped"]
+
+
+def offload(optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
+    """Turn an existing optimizer into a :class:`SwapOptimizer`.
+
+    Keeps its class, param groups, hyper-parameters and any state it already holds; the state
+    moves into the swap space and the original optimizer must not be stepped again.
+    ``swap_kwargs`` are :class:`SwapOptimizer`'s keywords (``swap_dir``, ``host_budget``, ...).
+    """
+    if isinstance(optimizer, SwapOptimizer):
+        raise TypeError("optimizer is already a SwapOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    config = SwapConfig(**swap_kwargs)
+    saved = optimizer.state_dict() if optimizer.state else None
+    swap = SwapOptimizer.__new__(SwapOptimizer)
+    optimizer.state.clear()  # the state now lives in the swap space
+    swap._setup(optimizer, config)
+    if saved is not None:
+        swap.load_state_dict(saved)
+    return swap
+
+
+def swapped(optimizer_class: type[torch.optim.Optimizer]) -> type[SwapOptimizer]:
+    """A :class:`SwapOptimizer` subclass bound to ``optimizer_class``.
+
+    Its constructor is ``(params, *, swap_dir=..., host_budget=..., **optimizer_kwargs)``, the
+    shape frameworks expect of an optimizer class, e.g.
+    ``ZeroRedundancyOptimizer(params, optimizer_class=swapped(torch.optim.AdamW), lr=1e-3,
+    swap_dir="/nvme/run")``.
+    """
+
+    class Swapped(SwapOptimizer):
+        def __init__(self, params: Any, **kwargs: Any) -> None:
+            super().__init__(params, optimizer_class, **kwargs)
+
+    Swapped.__name__ = Swapped.__qualname__ = f"Swapped{optimizer_class.__name__}"
+    Swapped.__doc__ = f"{optimizer_class.__name__} with its state swapped by tierswap."
+    return Swapped

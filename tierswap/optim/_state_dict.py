@@ -1,0 +1,142 @@
+"""Commit / resume through the swap folder, and state dicts in torch's own format."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierswap.errors import ConfigError
+from tierswap.optim._partition import Slot, master_dtype
+
+if TYPE_CHECKING:
+    from tierswap.optim.optimizer import SwapOptimizer
+
+__all__ = ["commit", "load_state_dict", "restore_commit", "state_dict"]
+
+
+def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
+    return [
+        [list(s.param.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
+    ]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def commit(optimizer: SwapOptimizer) -> int:
+    """Write params without a master, scalars and hyper-parameters; flush; commit."""
+    params = {s.param_key: s.param for s in optimizer._slots if not s.has_master}
+    small = {
+        "small": {i: _clone(v) for i, v in optimizer._small.items()},
+        "names": dict(optimizer._state_names),
+        "groups": [_hyper(g) for g in optimizer.param_groups],
+        "steps": optimizer._steps,
+    }
+    meta = {
+        "steps": optimizer._steps,
+        "optimizer": type(optimizer._inner).__name__,
+        "layout": _layout(optimizer),
+    }
+    return optimizer._backend.commit(params, small, meta)
+
+
+def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
+    """Load the last commit: params (from masters or copies), scalars, groups, step count."""
+    backend = optimizer._backend
+    if meta.get("layout") != _layout(optimizer):
+        raise ConfigError(
+            f"swap_dir {str(backend.path)!r} holds a run with another parameter layout "
+            f"({len(meta.get('layout', []))} params, optimizer {meta.get('optimizer')}); "
+            "resume with the same model, param groups and tier settings, or use a new swap_dir"
+        )
+    small = backend.load_small()
+    optimizer._small = defaultdict(dict, small["small"])
+    optimizer._state_names = defaultdict(list, small["names"])
+    for group, saved in zip(optimizer.param_groups, small["groups"], strict=True):
+        group.update(saved)
+    optimizer._steps = small["steps"]
+    with torch.no_grad():
+        for slot in optimizer._slots:
+            _restore_param(optimizer, slot)
+
+
+def _restore_param(optimizer: SwapOptimizer, slot: Slot) -> None:
+    backend = optimizer._backend
+    if slot.has_master:
+        with backend.hold([slot.master_key]) as held:
+            slot.param.copy_(held[slot.master_key])
+    else:
+        backend.load_param(slot.param_key, slot.param.data)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
+    """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies."""
+    backend = optimizer._backend
+    for slot in optimizer._slots:
+        state = _clone(optimizer._small.get(slot.index, {}))
+        for name in optimizer._state_names[slot.index]:
+            state[name] = backend.read(f"{slot.prefix}/{name}")
+        if state:
+            optimizer.state[slot.param] = state
+    try:
+        return torch.optim.Optimizer.state_dict(optimizer)
+    finally:
+        optimizer.state.clear()
+
+
+def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
+    """Load through the inner optimizer so torch's own checks and casts apply (to the masters).
+
+    Master weights are not part of torch's format: they are refreshed from the model params.
+    """
+    inner = optimizer._inner
+    targets = [_load_target(optimizer, s) for s in optimizer._slots]
+    position = 0
+    groups = []
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**group, "params": targets[position : position + count]})
+        position += count
+    inner.param_groups, inner.state = groups, defaultdict(dict)
+    try:
+        inner.load_state_dict(saved)
+        loaded_state, loaded_groups = inner.state, inner.param_groups
+    finally:
+        inner.param_groups, inner.state = optimizer._inner_groups, defaultdict(dict)
+    for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
+        group.update(_hyper(loaded))
+    for slot, target in zip(optimizer._slots, targets, strict=True):
+        _replace_state(optimizer, slot, loaded_state.get(target, {}))
+
+
+def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
+    """A tensor with the dtype and device the slot's state must have (torch casts to it)."""
+    if not slot.has_master:
+        return slot.param
+    return torch.empty(0, dtype=master_dtype(slot.param), device=optimizer.compute_device)
+
+
+def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) -> None:
+    backend = optimizer._backend
+    for name in optimizer._state_names.pop(slot.index, []):
+        backend.delete(f"{slot.prefix}/{name}")
+    small = {}
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            backend.put(f"{slot.prefix}/{name}", value)
+            optimizer._state_names[slot.index].append(name)
+        else:
+            small[name] = value
+    optimizer._small[slot.index] = small
+    if slot.has_master:
+        master = slot.param.detach().to(optimizer.compute_device, master_dtype(slot.param))
+        backend.put(slot.master_key, master)

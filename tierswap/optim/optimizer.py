@@ -1,0 +1,376 @@
+"""SwapOptimizer: any torch optimizer with its state (and fp32 masters) in a tier cache.
+
+The optimizer the user names (``optimizer_class``) is instantiated once as the *inner*
+optimizer. Each ``step()`` walks the partitions in schedule order; for each it pins the
+partition's tensors in the cache, points the inner optimizer's ``param_groups`` and ``state``
+at them, runs the inner ``step()`` (so torch picks the same for-loop, foreach or fused kernel it
+would pick in memory) and hands the tensors back, dirty. Per-element math is independent across
+tensors in every torch optimizer this supports, so stepping in partitions is bitwise equal to
+stepping all at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from tierswap.errors import ConfigError
+from tierswap.optim import _hooks, _state_dict
+from tierswap.optim._backend import StateBackend
+from tierswap.optim._config import SwapConfig
+from tierswap.optim._partition import (
+    Partition,
+    Slot,
+    check_budget,
+    master_dtype,
+    partition_slots,
+    probe_state_bytes,
+)
+
+__all__ = ["SwapOptimizer"]
+
+#: Upper bound of one partition's working set: small enough to pipeline, large enough that
+#: the per-partition overhead (a few Python calls) stays negligible.
+MAX_PARTITION_BYTES = 128 << 20
+#: How many partitions ahead ``step()`` prefetches while stepping one.
+PREFETCH_DEPTH = 2
+
+
+class SwapOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose state lives in a GPU / host / NVMe tier cache.
+
+    Parameters
+    ----------
+    params:
+        Parameters or param groups, as for any torch optimizer.
+    optimizer_class:
+        The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Adagrad``, ...); any with
+        per-parameter tensor state and no cross-parameter math.
+    swap_dir:
+        Folder of the swap store. ``None``: a temporary folder removed by :meth:`close`.
+        Under ``torch.distributed`` each rank uses ``swap_dir/rank-<r>``.
+    host_budget, device_budget:
+        Byte budgets of the host and device tiers (ints or strings such as ``"4GiB"``).
+        ``host_budget=None`` keeps all state in RAM; ``device_budget=0`` turns the device tier
+        off. A budget below the largest partition's working set raises ``ConfigError``.
+    policy:
+        Eviction policy of the cache (``"lookahead"``, ``"lru"`` or a policy instance).
+    durable:
+        Passed to the store: ``False`` writes in place, faster but not crash-safe.
+    commit_every:
+        Commit the swap folder atomically every this many steps (0: only on :meth:`commit`).
+    resume:
+        Load master weights into the model params and restore state and step counts from the
+        last commit in ``swap_dir``.
+    overlap:
+        ``"backward"`` steps each parameter in its post-accumulate-grad hook as soon as its
+        gradient is final (every ``accumulation_steps`` backward passes). It cannot honour
+        global gradient clipping or ``GradScaler``: the step happens before they could run.
+    **optimizer_kwargs:
+        Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        swap_dir: Any = None,
+        host_budget: Any = None,
+        device_budget: Any = 0,
+        policy: Any = "lookahead",
+        durable: bool = True,
+        commit_every: int = 1,
+        resume: bool = False,
+        overlap: str | None = None,
+        accumulation_steps: int = 1,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        config = SwapConfig(
+            swap_dir, host_budget, device_budget, policy, durable, commit_every, resume, overlap,
+            accumulation_steps,
+        )  # fmt: skip
+        _check_class(optimizer_class)
+        self._setup(optimizer_class(params, **optimizer_kwargs), config)
+
+    # -- construction ---------------------------------------------------------------------
+    def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
+        self._ready = False
+        self._inner = inner
+        self._config = config
+        super().__init__(inner.param_groups, inner.defaults)
+        self._inner_groups = inner.param_groups
+        self._slots: list[Slot] = []
+        self._small: dict[int, dict[str, Any]] = defaultdict(dict)
+        self._state_names: dict[int, list[str]] = defaultdict(list)
+        self._steps = 0
+        self._stepped: set[int] = set()
+        self.tier = "device" if config.device_budget > 0 else "host"
+        self.compute_device = _compute_device(self.tier)
+        for group in self.param_groups:
+            self._add_slots(group)
+        self._repartition()
+        self._backend = StateBackend(
+            config.swap_dir,
+            tier=self.tier,
+            host_budget=self.host_budget,
+            device_budget=config.device_budget,
+            policy=config.policy,
+            durable=config.durable,
+            resume=config.resume,
+        )
+        try:
+            self._start(config.resume)
+        except BaseException:
+            self._backend.close()
+            raise
+        self._hook_handles = _hooks.register(self)
+        self._ready = True
+
+    def _add_slots(self, group: dict[str, Any]) -> None:
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        probes: dict[torch.dtype, int] = {}
+        for param in group["params"]:
+            dtype = master_dtype(param)
+            if dtype not in probes:
+                probes[dtype] = _probe(self._inner, group, dtype)
+            has_master = dtype != param.dtype or param.device.type != self.compute_device.type
+            slot = Slot(len(self._slots), param, group_index, has_master, 0)
+            slot.state_bytes = probes[dtype] * param.numel()
+            self._slots.append(slot)
+
+    def _repartition(self) -> None:
+        """Partition the slots in schedule order and check them against the budgets."""
+        total = sum(s.working_set for s in self._slots)
+        self.host_budget = (
+            self._config.host_budget if self._config.host_budget is not None else max(total, 1)
+        )
+        budget = self.host_budget
+        if self.tier == "device":
+            budget = min(budget, self._config.device_budget)
+        target = min(max(budget // 4, 1), MAX_PARTITION_BYTES)
+        self._partitions: list[Partition] = partition_slots(self._slots[::-1], target)
+        check_budget(self._partitions, self.host_budget, "host_budget")
+        if self.tier == "device":
+            check_budget(self._partitions, self._config.device_budget, "device_budget")
+        self._slot_partition = {s.index: p for p in self._partitions for s in p.slots}
+        self._slot_of = {id(s.param): s for s in self._slots}
+
+    def _start(self, resume: bool) -> None:
+        meta = self._backend.committed_meta() if resume else None
+        if meta is not None:
+            _state_dict.restore_commit(self, meta)
+            return
+        for slot in self._slots:
+            if slot.has_master and slot.master_key not in self._backend.known:
+                self._backend.put(slot.master_key, _master_copy(slot, self.compute_device))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as torch does); its state is swapped like the others."""
+        super().add_param_group(param_group)
+        if not getattr(self, "_ready", False):
+            return
+        if self._config.resume and self._steps:
+            raise ConfigError("add_param_group after resuming a run is not supported")
+        self._add_slots(self.param_groups[-1])
+        self._repartition()
+        self._start(resume=False)
+        _hooks.remove(self._hook_handles)
+        self._hook_handles = _hooks.register(self)
+
+    # -- stepping -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step every parameter that has a gradient, partition by partition; commit when due."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [
+            (part, [s for s in part.slots if self._ready_to_step(s)]) for part in self._partitions
+        ]
+        work = [(part, live) for part, live in work if live]
+        for position, (_, live) in enumerate(work):
+            self._prefetch_ahead(work, position)
+            self._step_slots(live)
+        self._stepped.clear()
+        _hooks.new_cycle(self)
+        self._steps += 1
+        every = self._config.commit_every
+        if every and self._steps % every == 0:
+            self.commit()
+        return loss
+
+    def _ready_to_step(self, slot: Slot) -> bool:
+        return slot.param.grad is not None and slot.index not in self._stepped
+
+    def _prefetch_ahead(self, work: list[tuple[Partition, list[Slot]]], position: int) -> None:
+        """Ask the cache for the next partitions' tensors while this one steps."""
+        room = self._tier_budget() - work[position][0].working_set
+        for part, live in work[position + 1 : position + 1 + PREFETCH_DEPTH]:
+            if part.working_set > room:
+                break
+            room -= part.working_set
+            self._backend.prefetch(self._keys(live))
+
+    def _tier_budget(self) -> int:
+        if self.tier == "device":
+            return min(self.host_budget, self._config.device_budget)
+        return self.host_budget
+
+    def _keys(self, slots: Iterable[Slot]) -> list[str]:
+        keys = []
+        for slot in slots:
+            keys += [f"{slot.prefix}/{name}" for name in self._state_names[slot.index]]
+            if slot.has_master:
+                keys.append(slot.master_key)
+        return keys
+
+    def _step_slots(self, live: list[Slot]) -> None:
+        """Run the inner optimizer over ``live`` with their tensors pinned in the cache."""
+        with self._backend.hold(self._keys(live)) as held:
+            targets = {s.index: held[s.master_key] if s.has_master else s.param for s in live}
+            state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+            for slot in live:
+                target = targets[slot.index]
+                if slot.has_master:
+                    target.grad = slot.param.grad.to(target.device, target.dtype)
+                state[target] = self._slot_state(slot, held)
+            self._inner.state = state
+            self._inner.param_groups = self._groups_for(live, targets)
+            try:
+                self._inner.step()
+            finally:
+                self._inner.param_groups = self._inner_groups
+                self._inner.state = defaultdict(dict)
+            for slot in live:
+                self._collect(slot, targets[slot.index], state[targets[slot.index]], held)
+
+    def _slot_state(self, slot: Slot, held: dict[str, torch.Tensor]) -> dict[str, Any]:
+        state = dict(self._small.get(slot.index, {}))
+        for name in self._state_names[slot.index]:
+            state[name] = held[f"{slot.prefix}/{name}"]
+        return state
+
+    def _groups_for(
+        self, live: list[Slot], targets: dict[int, torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        """Shallow copies of the live slots' groups holding the tensors to step."""
+        by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for slot in live:
+            by_group[slot.group].append(targets[slot.index])
+        return [{**self.param_groups[g], "params": by_group[g]} for g in sorted(by_group)]
+
+    def _collect(
+        self,
+        slot: Slot,
+        target: torch.Tensor,
+        new_state: dict[str, Any],
+        held: dict[str, torch.Tensor],
+    ) -> None:
+        """Hand the stepped tensors back to the cache; keep scalars; update the model param."""
+        small: dict[str, Any] = {}
+        for name, value in new_state.items():
+            key = f"{slot.prefix}/{name}"
+            if not (torch.is_tensor(value) and value.dim() > 0):
+                small[name] = value
+            elif key in held:
+                if value is not held[key]:
+                    held[key].copy_(value)
+                self._backend.mark_dirty(key)
+            else:
+                self._backend.put(key, value)
+                self._state_names[slot.index].append(name)
+        self._small[slot.index] = small
+        if slot.has_master:
+            target.grad = None
+            self._backend.mark_dirty(slot.master_key)
+            slot.param.copy_(target, non_blocking=True)
+
+    # -- persistence and state dicts ------------------------------------------------------
+    def commit(self) -> int:
+        """Make the current masters, state and step count the folder's atomic restart point."""
+        return _state_dict.commit(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in torch's own format (materialised in host RAM, as CPU tensors)."""
+        return _state_dict.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict in torch's format (from this class or the plain optimizer)."""
+        _state_dict.load_state_dict(self, state_dict)
+
+    # -- introspection and teardown -------------------------------------------------------
+    @property
+    def swap_dir(self) -> Any:
+        """The folder of the swap store."""
+        return self._backend.path
+
+    @property
+    def steps(self) -> int:
+        """Number of ``step()`` calls, counted across resumes."""
+        return self._steps
+
+    @property
+    def partitions(self) -> list[Partition]:
+        return list(self._partitions)
+
+    def tier_stats(self) -> dict[str, Any]:
+        """The cache's statistics (hits, misses, bytes per tier, stall time) as a dict."""
+        return self._backend.stats()
+
+    def close(self) -> None:
+        """Release hooks, cache and store; a temporary swap folder is removed."""
+        _hooks.remove(getattr(self, "_hook_handles", []))
+        self._hook_handles = []
+        self._backend.close()
+
+    def __enter__(self) -> SwapOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"SwapOptimizer({type(self._inner).__name__}, params={len(self._slots)}, "
+            f"partitions={len(self._partitions)}, tier={self.tier!r}, "
+            f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
+        )
+
+
+def _check_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass; "
+            "pass e.g. torch.optim.AdamW"
+        )
+    if issubclass(optimizer_class, (torch.optim.LBFGS, torch.optim.SparseAdam)):
+        raise ConfigError(
+            f"optimizer_class={optimizer_class.__name__} mixes parameters in one step or needs "
+            "sparse gradients; tierswap swaps optimizers with per-parameter state (AdamW, SGD, ...)"
+        )
+
+
+def _probe(inner: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+    try:
+        return probe_state_bytes(type(inner), group, dtype)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot size the state of {type(inner).__name__} for {dtype} parameters: {exc}"
+        ) from exc
+
+
+def _compute_device(tier: str) -> torch.device:
+    if tier == "device" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _master_copy(slot: Slot, device: torch.device) -> torch.Tensor:
+    return slot.param.detach().to(device=device, dtype=master_dtype(slot.param), copy=True)
+
