@@ -15,7 +15,7 @@ def _fake_open(path, *, host_budget, device_budget, policy, durable, resume):
 def swap_backend(monkeypatch):
     """Until tierswap.cache lands, the optimizer runs over the contract-following fakes."""
     try:
-        import tierswap.cache  # noqa: F401
+        import tierswap.cache
         import tierswap.store  # noqa: F401
     except ImportError:
         monkeypatch.setattr(_backend, "_open_cache", _fake_open)

@@ -80,7 +80,7 @@ class FakeCache:
         self.budget = {"device": device_budget, "host": host_budget}
         self.items = {"device": OrderedDict(), "host": OrderedDict()}  # key -> [tensor, dirty]
         self.pins = {"device": {}, "host": {}}
-        self.nvme_reads = self.nvme_writes = 0
+        self.nvme_reads = self.nvme_writes = self.bytes_read = self.bytes_written = 0
         self.max_used = {"device": 0, "host": 0}
 
     def _used(self, tier):
@@ -100,6 +100,7 @@ class FakeCache:
         if dirty:
             self.store.put(key, tensor)
             self.nvme_writes += 1
+            self.bytes_written += tensor.nbytes
 
     def _insert(self, tier, key, tensor, dirty):
         self._make_room(tier, tensor.nbytes)
@@ -128,6 +129,7 @@ class FakeCache:
                 raise KeyNotFoundError(key)
             tensor, dirty = self.store.get(key), False
             self.nvme_reads += 1
+            self.bytes_read += tensor.nbytes
         else:
             tensor, dirty = self.items[where].pop(key)
         self._insert(tier, key, tensor, dirty)
@@ -162,10 +164,16 @@ class FakeCache:
                 if item[1]:
                     self.store.put(key, item[0])
                     self.nvme_writes += 1
+                    self.bytes_written += item[0].nbytes
                     item[1] = False
 
     def stats(self):
-        return {"nvme": {"reads": self.nvme_reads, "writes": self.nvme_writes}}
+        tiers = {
+            tier: {"used": self._used(tier), "budget": self.budget[tier]}
+            for tier in ("device", "host")
+        }
+        nvme = {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
+        return {**tiers, "nvme": nvme, "stall_seconds": 0.0}
 
     def close(self):
         self.items = {"device": OrderedDict(), "host": OrderedDict()}

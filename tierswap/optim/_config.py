@@ -48,8 +48,6 @@ class SwapConfig:
         if self.overlap not in _OVERLAPS:
             raise ConfigError(f"overlap={self.overlap!r} must be None or 'backward'")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise ConfigError(
-                f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1"
-            )
+            raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
         if self.resume and self.swap_dir is None:
             raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")

@@ -24,12 +24,8 @@ def offload(optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimiz
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     config = SwapConfig(**swap_kwargs)
-    saved = optimizer.state_dict() if optimizer.state else None
     swap = SwapOptimizer.__new__(SwapOptimizer)
-    optimizer.state.clear()  # the state now lives in the swap space
-    swap._setup(optimizer, config)
-    if saved is not None:
-        swap.load_state_dict(saved)
+    swap._setup(optimizer, config)  # moves the optimizer's state into the swap space
     return swap
 
 

@@ -96,10 +96,9 @@ def probe_state_bytes(
     inner = optimizer_class([{"params": [probe], **hyper}])
     inner.step()
     state = inner.state.get(probe, {})
-    per_element = sum(
+    return sum(
         v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == probe.shape
     )
-    return per_element
 
 
 def partition_slots(slots: Sequence[Slot], target_bytes: int) -> list[Partition]:

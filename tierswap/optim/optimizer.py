@@ -11,7 +11,6 @@ stepping all at once.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -101,6 +100,10 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
         self._ready = False
         self._inner = inner
+        # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
+        # handed to offload()) moves into the swap space through load_state_dict below.
+        existing = inner.state_dict() if inner.state else None
+        inner.state = defaultdict(dict)
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
         self._inner_groups = inner.param_groups
@@ -130,6 +133,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
         self._hook_handles = _hooks.register(self)
         self._ready = True
+        if existing is not None and not config.resume:
+            self.load_state_dict(existing)
 
     def _add_slots(self, group: dict[str, Any]) -> None:
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
@@ -344,7 +349,9 @@ class SwapOptimizer(torch.optim.Optimizer):
 
 
 def _check_class(optimizer_class: Any) -> None:
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
         raise ConfigError(
             f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass; "
             "pass e.g. torch.optim.AdamW"
@@ -373,4 +380,3 @@ def _compute_device(tier: str) -> torch.device:
 
 def _master_copy(slot: Slot, device: torch.device) -> torch.Tensor:
     return slot.param.detach().to(device=device, dtype=master_dtype(slot.param), copy=True)
-

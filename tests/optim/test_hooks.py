@@ -1,0 +1,83 @@
+"""Backward hooks: prefetch during backward, and overlap="backward" stepping in the hook."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.optim.models import (
+    assert_same_params,
+    assert_same_state,
+    batches,
+    make_models,
+    train_step,
+)
+from tierswap.optim import SwapOptimizer
+
+
+def test_backward_prefetches_the_first_partitions() -> None:
+    _, model = make_models()
+    with SwapOptimizer(model.parameters(), host_budget="64KiB") as swap:
+        data = batches(2)
+        train_step(model, swap, data[0])  # creates the state
+        requested: list[list[str]] = []
+        original = swap._backend.prefetch
+        swap._backend.prefetch = lambda keys: (requested.append(list(keys)), original(keys))
+        swap.zero_grad()
+        model(data[1]).square().mean().backward()  # no step yet: only hooks ran
+        assert requested, "no prefetch during backward"
+        first = swap.partitions[0]
+        assert requested[0] == swap._keys(first.slots)
+        swap.step()
+
+
+def test_overlap_backward_equals_the_plain_step() -> None:
+    plain_model, swap_model = make_models()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    swap = SwapOptimizer(swap_model.parameters(), lr=1e-2, overlap="backward", host_budget="8KiB")
+    with swap:
+        for x in batches(3):
+            train_step(plain_model, plain, x)
+            swap.zero_grad()
+            swap_model(x).square().mean().backward()
+            assert all(p.grad is None for p in swap_model.parameters())  # stepped and freed
+            swap.step()
+        assert_same_params(plain_model, swap_model)
+        assert_same_state(plain.state_dict(), swap.state_dict())
+
+
+def test_overlap_backward_with_accumulation() -> None:
+    plain_model, swap_model = make_models()
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9)
+    swap = SwapOptimizer(
+        swap_model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+        overlap="backward", accumulation_steps=2,
+    )  # fmt: skip
+    with swap:
+        data = batches(6)
+        for a, b in zip(data[::2], data[1::2], strict=True):
+            plain.zero_grad()
+            for x in (a, b):
+                plain_model(x).square().mean().backward()
+                swap_model(x).square().mean().backward()
+            plain.step()
+            swap.step()
+        assert swap.steps == 3
+        assert_same_params(plain_model, swap_model)
+
+
+def test_add_param_group_after_construction() -> None:
+    plain_model, swap_model = make_models()
+    plain = torch.optim.Adam([plain_model.inp.weight], lr=1e-2)
+    swap = SwapOptimizer([swap_model.inp.weight], torch.optim.Adam, lr=1e-2)
+    with swap:
+        data = batches(4)
+        for x in data[:2]:
+            train_step(plain_model, plain, x)
+            train_step(swap_model, swap, x)
+        plain.add_param_group({"params": list(plain_model.out.parameters()), "lr": 1e-3})
+        swap.add_param_group({"params": list(swap_model.out.parameters()), "lr": 1e-3})
+        for x in data[2:]:
+            train_step(plain_model, plain, x)
+            train_step(swap_model, swap, x)
+        assert_same_params(plain_model, swap_model)
+        assert_same_state(plain.state_dict(), swap.state_dict())
