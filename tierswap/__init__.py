@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tierswap import errors
 from tierswap.config import IOConfig, parse_size
+from tierswap.optim import SwapOptimizer, offload, swapped
 
-__all__ = ["IOConfig", "errors", "parse_size"]
+__all__ = ["IOConfig", "SwapOptimizer", "errors", "offload", "parse_size", "swapped"]
 __version__ = "0.1.0"
