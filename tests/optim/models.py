@@ -74,3 +74,9 @@ def assert_same_state(plain: dict, swap: dict) -> None:
                 assert torch.equal(value.cpu(), other.cpu()), (index, key)
             else:
                 assert value == other, (index, key)
+
+
+def batch_for_step(step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The batch of training step ``step``: the same in every process."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(6, 8, generator=gen).to(dtype)
