@@ -19,7 +19,7 @@ import time
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.nn import functional
 
 import tierswap as ts
 from tierswap.config import format_size, parse_size
@@ -45,11 +45,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(
+        att = functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.out(functional.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
@@ -70,7 +70,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+        return functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
 
 
 def _batches(cfg: GPTConfig, args: argparse.Namespace) -> list[torch.Tensor]:
@@ -158,10 +158,11 @@ def main() -> None:
         model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True), data, "in-memory"
     )
     same = all(torch.equal(a, b) for a, b in zip(swapped_params, model.parameters(), strict=True))
-    print(f"\nmedian optimizer step: tierswap {swapped['opt']:.2f}s, in-memory {memory['opt']:.2f}s "
-          f"({swapped['opt'] / memory['opt']:.2f}x)")  # fmt: skip
-    print(f"median training step:  tierswap {swapped['step']:.2f}s, in-memory {memory['step']:.2f}s "
-          f"({swapped['step'] / memory['step']:.2f}x)")  # fmt: skip
+    print()
+    for what, key in (("optimizer step", "opt"), ("training step", "step")):
+        ratio = swapped[key] / memory[key]
+        print(f"median {what:<15} tierswap {swapped[key]:.2f}s, in-memory {memory[key]:.2f}s "
+              f"({ratio:.2f}x)")  # fmt: skip
     print(f"parameters bit-identical to in-memory AdamW: {same}")
 
 
