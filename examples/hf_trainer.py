@@ -1,0 +1,91 @@
+"""Hugging Face Trainer with a SwapOptimizer: a GPT-2 built from a config, no download.
+
+    python examples/hf_trainer.py --swap-dir hf-swap --steps 20
+
+Needs ``pip install tierswap[hf]`` (transformers and accelerate).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import tierswap as ts
+from tierswap.integrations.hf import TierswapCallback
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed random token sequences (language modelling on noise: enough to train)."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.data = torch.randint(vocab, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def make_model(
+    layers: int = 4, dim: int = 256, vocab: int = 4096, seq: int = 64
+) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=layers, n_embd=dim, n_head=max(1, dim // 64), vocab_size=vocab, n_positions=seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def train(
+    swap_dir: str | Path | None,
+    *,
+    steps: int,
+    output_dir: str | Path,
+    host_budget: str = "8MiB",
+    model_kwargs: dict | None = None,
+) -> tuple[Trainer, GPT2LMHeadModel]:
+    """Train with a SwapOptimizer, or with plain AdamW when ``swap_dir`` is ``None``."""
+    model = make_model(**(model_kwargs or {}))
+    dataset = RandomTokens(64, model.config.n_positions, model.config.vocab_size)
+    if swap_dir is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                               swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, lr_scheduler_type="linear", dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset, optimizers=(opt, None),
+        callbacks=[TierswapCallback()] if swap_dir is not None else [],
+    )  # fmt: skip
+    trainer.train()
+    return trainer, model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--swap-dir", default="hf-swap")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--host-budget", default="8MiB")
+    parser.add_argument("--output-dir", default="hf-output")
+    args = parser.parse_args()
+    trainer, _ = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,
+                       host_budget=args.host_budget)  # fmt: skip
+    last = trainer.state.log_history[-2]  # the last training-step entry (the final is a summary)
+    print({k: v for k, v in last.items() if k.startswith(("loss", "tierswap/"))})
+    ts_opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else None
+    if isinstance(ts_opt, ts.SwapOptimizer):
+        ts_opt.close()
+
+
+if __name__ == "__main__":
+    main()
