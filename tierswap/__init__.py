@@ -5,6 +5,16 @@ from __future__ import annotations
 from tierswap import errors
 from tierswap.config import IOConfig, parse_size
 from tierswap.optim import SwapOptimizer, offload, swapped
+from tierswap.store import ArrayInfo, SwapStore
 
-__all__ = ["IOConfig", "SwapOptimizer", "errors", "offload", "parse_size", "swapped"]
+__all__ = [
+    "ArrayInfo",
+    "IOConfig",
+    "SwapOptimizer",
+    "SwapStore",
+    "errors",
+    "offload",
+    "parse_size",
+    "swapped",
+]
 __version__ = "0.1.0"
