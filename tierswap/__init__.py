@@ -5,12 +5,15 @@ from __future__ import annotations
 from tierswap import errors
 from tierswap.cache import CacheStats, LookaheadPolicy, LRUPolicy, TierCache
 from tierswap.config import IOConfig, parse_size
+from tierswap.store import ArrayInfo, SwapStore
 
 __all__ = [
+    "ArrayInfo",
     "CacheStats",
     "IOConfig",
     "LRUPolicy",
     "LookaheadPolicy",
+    "SwapStore",
     "TierCache",
     "errors",
     "parse_size",
