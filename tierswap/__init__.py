@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from tierswap import errors
+from tierswap.cache import CacheStats, LookaheadPolicy, LRUPolicy, TierCache
 from tierswap.config import IOConfig, parse_size
 from tierswap.optim import SwapOptimizer, offload, swapped
 from tierswap.store import ArrayInfo, SwapStore
 
 __all__ = [
     "ArrayInfo",
+    "CacheStats",
     "IOConfig",
+    "LRUPolicy",
+    "LookaheadPolicy",
     "SwapOptimizer",
     "SwapStore",
+    "TierCache",
     "errors",
     "offload",
     "parse_size",

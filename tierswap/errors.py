@@ -17,6 +17,7 @@ __all__ = [
     "InvalidTensorError",
     "KeyNotFoundError",
     "OutOfSpaceError",
+    "PinnedError",
     "ReadOnlyError",
     "StoreClosedError",
     "StoreLockedError",
@@ -67,6 +68,10 @@ class OutOfSpaceError(TierswapError, OSError):
 
 class StoreLockedError(TierswapError, RuntimeError):
     """Another writer holds the store's lock."""
+
+
+class PinnedError(TierswapError, RuntimeError):
+    """A cached item is pinned and cannot be evicted, moved or replaced until it is unpinned."""
 
 
 class ReadOnlyError(TierswapError, PermissionError):

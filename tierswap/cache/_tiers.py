@@ -1,0 +1,139 @@
+"""Bookkeeping of one memory tier: its entries, its byte budget, and the choice of victims.
+
+Private to :mod:`tierswap.cache`. Nothing here locks: :class:`TierCache` holds its lock around
+every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from tierswap.cache.policies import EvictionPolicy
+from tierswap.config import ALIGN, round_up
+from tierswap.io.buffers import aligned_empty
+
+TierName = Literal["device", "host"]
+TIERS: tuple[TierName, ...] = ("device", "host")
+
+LOADING = "loading"  # bytes reserved, a read from the store is filling the tensor
+READY = "ready"  # the tensor holds the item's value
+FLUSHING = "flushing"  # ready, and a flush is writing it to the store (not evictable meanwhile)
+FAILED = "failed"  # the read failed; `error` says why (the entry is no longer in its tier)
+
+
+def footprint(nbytes: int) -> int:
+    """Bytes an item occupies in a tier: buffers are whole 4 KiB pages (O_DIRECT alignment)."""
+    return round_up(nbytes, ALIGN) if nbytes else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """What the cache knows about an item without holding it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def footprint(self) -> int:
+        return footprint(self.nbytes)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Meta:
+        return cls(tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One item held (or being read into) a tier."""
+
+    key: str
+    meta: Meta
+    tier: TierName
+    tensor: torch.Tensor
+    state: str = READY
+    dirty: bool = False
+    pins: int = 0  # pinned() holders
+    claims: int = 0  # transient holds by the cache itself (a get returning it, a move)
+    error: BaseException | None = None
+
+    @property
+    def size(self) -> int:
+        return self.meta.footprint
+
+    @property
+    def held(self) -> bool:
+        return self.pins > 0 or self.claims > 0
+
+
+@dataclasses.dataclass(eq=False)
+class WriteBack:
+    """A dirty item evicted from ``tier`` whose bytes stay counted until the store has them."""
+
+    entry: Entry
+
+
+class Tier:
+    """A budget and the entries that use it (plus bytes of write-backs still in flight)."""
+
+    def __init__(self, name: TierName, budget: int) -> None:
+        self.name = name
+        self.budget = budget
+        self.used = 0  # resident + loading + writing back; never above budget
+        self.writing = 0  # part of `used` that write-backs in flight will free
+        self.entries: dict[str, Entry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used
+
+    def pinned_bytes(self) -> int:
+        return sum(e.size for e in self.entries.values() if e.pins)
+
+    def unsettled(self) -> bool:
+        """True while some state change in flight may later free or unblock bytes here."""
+        return self.writing > 0 or any(
+            e.state in (LOADING, FLUSHING) or e.claims for e in self.entries.values()
+        )
+
+    def victim(
+        self,
+        policy: EvictionPolicy,
+        incoming: str | None = None,
+        *,
+        clean_only: bool = False,
+        strict: bool = False,
+    ) -> Entry | None:
+        """The entry the policy would evict (for ``incoming``, a prefetch), if evictable now.
+
+        Without ``strict`` only evictable entries (ready, not held) are candidates. With
+        ``strict`` every entry is, and the answer is ``None`` when the policy's choice is not
+        evictable right now: a prefetch then waits rather than settle for a worse victim.
+        """
+        candidates = [
+            key
+            for key, e in self.entries.items()
+            if strict or (e.state == READY and not e.held and not (clean_only and e.dirty))
+        ]
+        key = policy.victim(candidates, incoming)
+        if key is None:
+            return None
+        entry = self.entries[key]
+        if entry.state != READY or entry.held or (clean_only and entry.dirty):
+            return None
+        return entry
+
+    def allocate(self, meta: Meta, device: torch.device) -> torch.Tensor:
+        """A buffer for ``meta`` in this tier (the caller has reserved the bytes)."""
+        if self.name == "host" or device.type == "cpu":
+            return aligned_empty(meta.shape, meta.dtype, pin=None if self.name == "host" else False)
+        return torch.empty(meta.shape, dtype=meta.dtype, device=device)

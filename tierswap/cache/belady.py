@@ -1,0 +1,120 @@
+"""Reference simulations of one cache tier on a cyclic schedule: Belady's optimum and LRU.
+
+Pure Python and independent of :class:`TierCache`, so tests and ``bench/cache_policy.py`` can
+compare what the cache really read against what an ideal (or an LRU) cache would have read on
+the same schedule. Demand paging: an item is read when it is used and not resident.
+
+With equal item sizes Belady's rule (evict the item used furthest in the future) reads the fewest
+items any cache of that capacity can; with mixed sizes it is the classic heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from tierswap.errors import ConfigError
+
+__all__ = ["CycleReads", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleReads:
+    """What one cycle of the schedule read from the lower tier."""
+
+    reads: int
+    bytes: int
+
+
+def simulate(
+    schedule: Sequence[str],
+    sizes: Mapping[str, int],
+    budget: int,
+    *,
+    cycles: int,
+    policy: Literal["belady", "lru"] = "belady",
+) -> list[CycleReads]:
+    """Replay ``cycles`` repetitions of ``schedule`` on an empty tier of ``budget`` bytes.
+
+    Items larger than ``budget`` are never cached (read at every use). Returns one
+    :class:`CycleReads` per cycle.
+    """
+    if cycles < 0 or budget < 0:
+        raise ConfigError(f"cycles={cycles} and budget={budget} must be >= 0")
+    missing = sorted(set(schedule) - set(sizes))
+    if missing:
+        raise ConfigError(f"sizes lacks keys {missing[:5]}; give a size for every scheduled key")
+    if policy not in ("belady", "lru"):
+        raise ConfigError(f"policy={policy!r} must be 'belady' or 'lru'")
+    step = _belady_step if policy == "belady" else _lru_step
+    gaps = _next_use_gaps(schedule)
+    resident: OrderedDict[str, float] = OrderedDict()  # key -> next use time (belady) or touch
+    out = []
+    for cycle in range(cycles):
+        reads = nbytes = 0
+        for i, key in enumerate(schedule):
+            now = cycle * len(schedule) + i
+            missed = step(
+                resident, key, sizes=sizes, budget=budget, now=now, next_use=now + gaps[i]
+            )
+            reads += missed
+            nbytes += sizes[key] if missed else 0
+        out.append(CycleReads(reads, nbytes))
+    return out
+
+
+def _next_use_gaps(schedule: Sequence[str]) -> list[int]:
+    """For each position, how many steps until the same key comes back (cyclically)."""
+    length = len(schedule)
+    gaps = [0] * length
+    last: dict[str, int] = {}
+    for i in range(2 * length - 1, -1, -1):
+        key = schedule[i % length]
+        if i < length:
+            gaps[i] = last[key] - i
+        last[key] = i
+    return gaps
+
+
+def _belady_step(
+    resident: OrderedDict[str, float],
+    key: str,
+    *,
+    sizes: Mapping[str, int],
+    budget: int,
+    now: int,
+    next_use: int,
+) -> bool:
+    hit = key in resident
+    if not hit and sizes[key] <= budget:
+        used = sum(sizes[k] for k in resident)
+        while used + sizes[key] > budget:
+            victim = max(resident, key=resident.__getitem__)
+            used -= sizes[victim]
+            del resident[victim]
+    if hit or sizes[key] <= budget:
+        resident[key] = next_use
+    return not hit
+
+
+def _lru_step(
+    resident: OrderedDict[str, float],
+    key: str,
+    *,
+    sizes: Mapping[str, int],
+    budget: int,
+    now: int,
+    next_use: int,
+) -> bool:
+    hit = key in resident
+    if not hit and sizes[key] <= budget:
+        used = sum(sizes[k] for k in resident)
+        while used + sizes[key] > budget:
+            victim, _ = resident.popitem(last=False)
+            used -= sizes[victim]
+    if hit or sizes[key] <= budget:
+        resident[key] = now
+        resident.move_to_end(key)
+    return not hit

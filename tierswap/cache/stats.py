@@ -1,0 +1,66 @@
+"""What a :class:`~tierswap.TierCache` reports: hits, misses, bytes moved, stall time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["CacheStats", "TierStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    """One memory tier (device or host) at the moment :meth:`TierCache.stats` was called.
+
+    ``used`` counts every byte the tier holds or has reserved: resident items, reads in flight
+    into it and dirty items being written down from it. It never exceeds ``budget``.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    used: int = 0
+    budget: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of a cache's counters since it was made.
+
+    Parameters
+    ----------
+    device, host:
+        Per-tier hits, misses, bytes used and budget. A ``get`` at a tier is a hit when the item
+        is resident there or already being read into it (a prefetch in flight), else a miss.
+    nvme_bytes_read, nvme_bytes_written:
+        Bytes this cache read from and wrote to the store (not other users of the store).
+    nvme_reads, nvme_writes:
+        The same as item counts.
+    stall_seconds:
+        Time callers spent blocked in ``get``/``pinned``/``put`` waiting for reads or
+        write-backs in flight.
+    """
+
+    device: TierStats
+    host: TierStats
+    nvme_bytes_read: int = 0
+    nvme_bytes_written: int = 0
+    nvme_reads: int = 0
+    nvme_writes: int = 0
+    stall_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"device": {...}, "host": {...}, "nvme": {...}, "stall_seconds": s}``."""
+        return {
+            "device": self.device.as_dict(),
+            "host": self.host.as_dict(),
+            "nvme": {
+                "bytes_read": self.nvme_bytes_read,
+                "bytes_written": self.nvme_bytes_written,
+                "reads": self.nvme_reads,
+                "writes": self.nvme_writes,
+            },
+            "stall_seconds": self.stall_seconds,
+        }
