@@ -11,24 +11,29 @@ from tierswap.optim import SwapOptimizer
 
 
 def test_budget_below_largest_partition_names_the_minimum(tmp_path) -> None:
-    model = torch.nn.Linear(100, 50)  # weight: 5000 floats; AdamW keeps 2 x 4 bytes each
-    with pytest.raises(ConfigError, match=r"minimum is .*\(40000 bytes\)"):
-        SwapOptimizer(model.parameters(), host_budget="39KiB", swap_dir=tmp_path / "s")
-    assert min_host_budget(model.parameters(), torch.optim.AdamW) == 40000
+    model = torch.nn.Linear(128, 64)  # weight: 8192 floats; AdamW keeps 2 x 4 bytes each
+    with pytest.raises(ConfigError, match=r"minimum is .*\(65536 bytes\)"):
+        SwapOptimizer(model.parameters(), host_budget="63KiB", swap_dir=tmp_path / "s")
+    assert min_host_budget(model.parameters(), torch.optim.AdamW) == 65536
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
-    SwapOptimizer(model.parameters(), host_budget=40000).close()
+    SwapOptimizer(model.parameters(), host_budget=65536).close()
 
 
 def test_device_budget_is_checked_too() -> None:
-    model = torch.nn.Linear(100, 50)
+    model = torch.nn.Linear(128, 64)
     with pytest.raises(ConfigError, match="device_budget"):
         SwapOptimizer(model.parameters(), host_budget="1MiB", device_budget="1KiB")
 
 
 def test_minimum_counts_masters_and_amsgrad_state() -> None:
-    model = torch.nn.Linear(100, 50, dtype=torch.bfloat16)
+    model = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
     # fp32 master (4) + exp_avg, exp_avg_sq, max_exp_avg_sq (3 x 4) per element
-    assert min_host_budget(model.parameters(), torch.optim.AdamW, amsgrad=True) == 5000 * 16
+    assert min_host_budget(model.parameters(), torch.optim.AdamW, amsgrad=True) == 8192 * 16
+
+
+def test_minimum_counts_whole_pages() -> None:
+    model = torch.nn.Linear(10, 10, bias=False)  # 400 bytes per state tensor: one page each
+    assert min_host_budget(model.parameters(), torch.optim.AdamW) == 2 * 4096
 
 
 def test_swap_folder_in_use_raises_store_locked(tmp_path) -> None:

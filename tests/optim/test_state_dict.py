@@ -26,7 +26,7 @@ def _roundtrip(state_dict: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("budget", [None, 4608])
+@pytest.mark.parametrize("budget", [None, 8192])
 def test_state_dict_roundtrip_through_torch_save(budget: int | None) -> None:
     plain_model, swap_model = make_models()
     plain = torch.optim.AdamW(groups(plain_model, lr=1e-3), lr=1e-2)
@@ -86,7 +86,7 @@ def test_commit_and_resume_in_process(tmp_path) -> None:
     plain_model, swap_model = make_models()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     data = batches(6)
-    kwargs = {"swap_dir": tmp_path / "run", "host_budget": 4608, "lr": 1e-2}
+    kwargs = {"swap_dir": tmp_path / "run", "host_budget": 8192, "lr": 1e-2}
     with SwapOptimizer(swap_model.parameters(), **kwargs, commit_every=2) as swap:
         for x in data[:3]:
             train_step(plain_model, plain, x)

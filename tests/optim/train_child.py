@@ -13,7 +13,7 @@ import torch
 from tests.optim.models import batch_for_step, make_models, train_step
 from tierswap.optim import SwapOptimizer, _backend
 
-CHILD_KWARGS = {"host_budget": 4608, "lr": 1e-2, "weight_decay": 0.05}
+CHILD_KWARGS = {"host_budget": 8192, "lr": 1e-2, "weight_decay": 0.05}
 CHILD_LR_DECAY = 0.9
 
 

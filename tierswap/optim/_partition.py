@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from tierswap.config import format_size
+from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
 
-__all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_bytes"]
+__all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_itemsizes"]
 
 #: Low-precision parameter dtypes that get an fp32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -34,14 +34,15 @@ class Slot:
 
     ``has_master`` is true when the step runs on a separate copy of the parameter (a fp32 master
     of a low-precision parameter, or a host copy of a parameter that lives on another device).
-    ``state_bytes`` is the size of its per-element state, probed from the optimizer class.
+    ``state_itemsizes`` lists the element size of each per-element state tensor, probed from the
+    optimizer class (``[4, 4]`` for AdamW's ``exp_avg`` and ``exp_avg_sq`` in fp32).
     """
 
     index: int
     param: torch.Tensor
     group: int
     has_master: bool
-    state_bytes: int
+    state_itemsizes: tuple[int, ...]
 
     @property
     def prefix(self) -> str:
@@ -56,13 +57,24 @@ class Slot:
         return f"p{self.index}/param"
 
     @property
+    def state_bytes(self) -> int:
+        """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
+        return sum(_footprint(self.param.numel() * size) for size in self.state_itemsizes)
+
+    @property
     def master_bytes(self) -> int:
-        return self.param.numel() * master_dtype(self.param).itemsize if self.has_master else 0
+        if not self.has_master:
+            return 0
+        return _footprint(self.param.numel() * master_dtype(self.param).itemsize)
 
     @property
     def working_set(self) -> int:
         """Bytes the cache holds for this slot while it steps: state plus master."""
         return self.state_bytes + self.master_bytes
+
+
+def _footprint(nbytes: int) -> int:
+    return max(round_up(nbytes, ALIGN), ALIGN)
 
 
 @dataclasses.dataclass
@@ -77,12 +89,12 @@ class Partition:
         return sum(s.working_set for s in self.slots)
 
 
-def probe_state_bytes(
+def probe_state_itemsizes(
     optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> int:
-    """Bytes of per-element tensor state one element of ``dtype`` costs under this group.
+) -> tuple[int, ...]:
+    """Element sizes of the per-element state tensors this group keeps for a ``dtype`` param.
 
-    Steps a throw-away two-element parameter once with the group's hyper-parameters and sums
+    Steps a throw-away two-element parameter once with the group's hyper-parameters and lists
     the item sizes of the state tensors shaped like it (``exp_avg``, ``momentum_buffer``, ...).
     Scalars such as ``step`` are ignored: they stay in RAM.
     """
@@ -96,7 +108,7 @@ def probe_state_bytes(
     inner = optimizer_class([{"params": [probe], **hyper}])
     inner.step()
     state = inner.state.get(probe, {})
-    return sum(
+    return tuple(
         v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == probe.shape
     )
 

@@ -27,7 +27,7 @@ from tierswap.optim._partition import (
     check_budget,
     master_dtype,
     partition_slots,
-    probe_state_bytes,
+    probe_state_itemsizes,
 )
 
 __all__ = ["SwapOptimizer"]
@@ -138,15 +138,15 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _add_slots(self, group: dict[str, Any]) -> None:
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        probes: dict[torch.dtype, int] = {}
+        probes: dict[torch.dtype, tuple[int, ...]] = {}
         for param in group["params"]:
             dtype = master_dtype(param)
             if dtype not in probes:
                 probes[dtype] = _probe(self._inner, group, dtype)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
-            slot = Slot(len(self._slots), param, group_index, has_master, 0)
-            slot.state_bytes = probes[dtype] * param.numel()
-            self._slots.append(slot)
+            self._slots.append(
+                Slot(len(self._slots), param, group_index, has_master, probes[dtype])
+            )
 
     def _repartition(self) -> None:
         """Partition the slots in schedule order and check them against the budgets."""
@@ -363,9 +363,11 @@ def _check_class(optimizer_class: Any) -> None:
         )
 
 
-def _probe(inner: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> int:
+def _probe(
+    inner: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
+) -> tuple[int, ...]:
     try:
-        return probe_state_bytes(type(inner), group, dtype)
+        return probe_state_itemsizes(type(inner), group, dtype)
     except Exception as exc:
         raise ConfigError(
             f"cannot size the state of {type(inner).__name__} for {dtype} parameters: {exc}"
