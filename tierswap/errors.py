@@ -22,6 +22,7 @@ __all__ = [
     "StoreClosedError",
     "StoreLockedError",
     "TierswapError",
+    "WorldSizeError",
 ]
 
 
@@ -35,6 +36,10 @@ class ConfigError(TierswapError, ValueError):
 
 class BudgetError(ConfigError):
     """A tier's byte budget cannot hold what was asked of it."""
+
+
+class WorldSizeError(ConfigError):
+    """A swap folder was committed by a torch.distributed run with another world size or rank."""
 
 
 class InvalidKeyError(TierswapError, ValueError):

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tierswap.optim.distributed import rank_swap_dir
+
 __all__ = ["SMALL_KEY", "StateBackend", "resolve_swap_dir"]
 
 SMALL_KEY = "optim/small"
@@ -32,10 +34,7 @@ def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
     """
     if swap_dir is None:
         return Path(tempfile.mkdtemp(prefix="tierswap-optim-")), True
-    path = Path(swap_dir)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        path = path / f"rank-{torch.distributed.get_rank()}"
-    return path, False
+    return rank_swap_dir(swap_dir), False
 
 
 def _open_cache(

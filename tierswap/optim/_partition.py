@@ -16,6 +16,7 @@ import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
+from tierswap.optim.distributed import local_tensor
 
 __all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_itemsizes"]
 
@@ -45,6 +46,11 @@ class Slot:
     state_itemsizes: tuple[int, ...]
 
     @property
+    def local(self) -> torch.Tensor:
+        """The tensor the optimizer steps: the local shard of a DTensor, else the param."""
+        return local_tensor(self.param)
+
+    @property
     def prefix(self) -> str:
         return f"p{self.index}"
 
@@ -59,13 +65,13 @@ class Slot:
     @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
-        return sum(_footprint(self.param.numel() * size) for size in self.state_itemsizes)
+        return sum(_footprint(self.local.numel() * size) for size in self.state_itemsizes)
 
     @property
     def master_bytes(self) -> int:
         if not self.has_master:
             return 0
-        return _footprint(self.param.numel() * master_dtype(self.param).itemsize)
+        return _footprint(self.local.numel() * master_dtype(self.param).itemsize)
 
     @property
     def working_set(self) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierswap.errors import ConfigError
+from tierswap.optim._config import SwapConfig
 from tierswap.optim._partition import Slot, master_dtype
+from tierswap.optim.distributed import check_world, local_tensor, shaped_like, world_meta
 
 if TYPE_CHECKING:
     from tierswap.optim.optimizer import SwapOptimizer
@@ -18,17 +21,23 @@ __all__ = ["commit", "load_state_dict", "restore_commit", "state_dict"]
 
 def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
     return [
-        [list(s.param.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
+        [list(s.local.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
     ]
 
 
+#: Not hyper-parameters. ZeroRedundancyOptimizer copies its constructor keywords (swap_dir,
+#: host_budget, ...) into every param group; they are settings of this run, and a Path among
+#: them would make the committed blob unloadable with ``torch.load(weights_only=True)``.
+_NOT_HYPER = frozenset(("params", "param_names", *(f.name for f in dataclasses.fields(SwapConfig))))
+
+
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
 def commit(optimizer: SwapOptimizer) -> int:
     """Write params without a master, scalars and hyper-parameters; flush; commit."""
-    params = {s.param_key: s.param for s in optimizer._slots if not s.has_master}
+    params = {s.param_key: s.local for s in optimizer._slots if not s.has_master}
     small = {
         "small": {i: _clone(v) for i, v in optimizer._small.items()},
         "names": dict(optimizer._state_names),
@@ -39,6 +48,7 @@ def commit(optimizer: SwapOptimizer) -> int:
         "steps": optimizer._steps,
         "optimizer": type(optimizer._inner).__name__,
         "layout": _layout(optimizer),
+        **world_meta(),
     }
     return optimizer._backend.commit(params, small, meta)
 
@@ -46,6 +56,7 @@ def commit(optimizer: SwapOptimizer) -> int:
 def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     """Load the last commit: params (from masters or copies), scalars, groups, step count."""
     backend = optimizer._backend
+    check_world(meta, backend.path)
     if meta.get("layout") != _layout(optimizer):
         raise ConfigError(
             f"swap_dir {str(backend.path)!r} holds a run with another parameter layout "
@@ -67,9 +78,9 @@ def _restore_param(optimizer: SwapOptimizer, slot: Slot) -> None:
     backend = optimizer._backend
     if slot.has_master:
         with backend.hold([slot.master_key]) as held:
-            slot.param.copy_(held[slot.master_key])
+            slot.local.copy_(held[slot.master_key])
     else:
-        backend.load_param(slot.param_key, slot.param.data)
+        backend.load_param(slot.param_key, slot.local.data)
 
 
 def _clone(value: Any) -> Any:
@@ -84,7 +95,7 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
-            state[name] = backend.read(f"{slot.prefix}/{name}")
+            state[name] = shaped_like(backend.read(f"{slot.prefix}/{name}"), slot.param)
         if state:
             optimizer.state[slot.param] = state
     try:
@@ -132,11 +143,11 @@ def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) 
     small = {}
     for name, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
-            backend.put(f"{slot.prefix}/{name}", value)
+            backend.put(f"{slot.prefix}/{name}", local_tensor(value))
             optimizer._state_names[slot.index].append(name)
         else:
             small[name] = value
     optimizer._small[slot.index] = small
     if slot.has_master:
-        master = slot.param.detach().to(optimizer.compute_device, master_dtype(slot.param))
+        master = slot.local.detach().to(optimizer.compute_device, master_dtype(slot.param))
         backend.put(slot.master_key, master)

@@ -1,0 +1,141 @@
+"""torch.distributed support: per-rank swap folders, world-size checks, DTensor local shards.
+
+tierswap has no communication layer of its own. Under ``torch.distributed`` each rank owns the
+optimizer state of its own parameters (``ZeroRedundancyOptimizer``) or of its local shards
+(FSDP2 ``fully_shard``) and swaps it to its own folder ``swap_dir/rank-<r>``; torch moves the
+gradients and parameters between ranks exactly as it does for an in-memory optimizer.
+
+Every commit records the world size and rank that wrote it; resuming a folder with another
+world size raises :class:`~tierswap.errors.WorldSizeError` instead of silently loading a shard
+that belongs to another partitioning of the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierswap.errors import WorldSizeError
+
+__all__ = [
+    "WorldSizeError",
+    "broadcast_owned_params",
+    "check_world",
+    "local_tensor",
+    "rank_swap_dir",
+    "shaped_like",
+    "world",
+    "world_meta",
+]
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` when none is initialised."""
+    if _distributed():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def rank_swap_dir(swap_dir: str | Path) -> Path:
+    """The folder this process swaps to: ``swap_dir/rank-<r>`` inside a process group.
+
+    The rank is the global rank of the default process group, so every process on every node
+    gets its own folder, on the node's local disk when ``swap_dir`` is a local path. Outside
+    ``torch.distributed`` it is ``swap_dir`` itself.
+    """
+    path = Path(swap_dir)
+    if _distributed():
+        path = path / f"rank-{torch.distributed.get_rank()}"
+    return path
+
+
+def world_meta() -> dict[str, int]:
+    """What a commit records about the process group: ``{"rank": r, "world_size": n}``."""
+    rank, size = world()
+    return {"rank": rank, "world_size": size}
+
+
+def check_world(meta: dict[str, Any], path: str | Path) -> None:
+    """Raise :class:`WorldSizeError` unless the commit ``meta`` was written by this rank and size.
+
+    Commits made before world sizes were recorded count as a single process.
+    """
+    rank, size = world()
+    saved_size = int(meta.get("world_size", 1))
+    saved_rank = int(meta.get("rank", 0))
+    if saved_size != size:
+        raise WorldSizeError(
+            f"swap_dir {str(path)!r} was committed by a run with world_size={saved_size} "
+            f"(rank {saved_rank}) but this run has world_size={size}: each rank's folder holds "
+            "only its own shard of the optimizer state. Resume with the same number of ranks "
+            f"({saved_size}), or start a new swap_dir and load the state from a torch checkpoint"
+        )
+    if saved_rank != rank:
+        raise WorldSizeError(
+            f"swap_dir {str(path)!r} holds the state of rank {saved_rank} but this is rank "
+            f"{rank}: point swap_dir at the parent folder (tierswap adds rank-<r> itself) and "
+            "keep each rank on the node that holds its folder"
+        )
+
+
+def broadcast_owned_params(optimizer: Any) -> None:
+    """After resuming under ``ZeroRedundancyOptimizer``, make every rank's replica whole again.
+
+    Each rank's swap folder restores only the parameters that rank owns (its ZeRO partition);
+    this broadcasts every parameter from its owner, as ZeRO does after each step. Call it on
+    every rank, after constructing the ``ZeroRedundancyOptimizer`` with ``resume=True`` and
+    before the first forward pass.
+    """
+    dist = torch.distributed
+    group = optimizer.process_group
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    owned = {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
+    rank = dist.get_rank(group)
+    owners = torch.tensor(
+        [rank if id(p) in owned else 0 for p in params], dtype=torch.int64, device=params[0].device
+    )
+    dist.all_reduce(owners, group=group)  # exactly one rank owns each parameter
+    with torch.no_grad():
+        for param, owner in zip(params, owners.tolist(), strict=True):
+            dist.broadcast(param.data, src=dist.get_global_rank(group, owner), group=group)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a ``DTensor`` (sharing its storage), or ``tensor`` itself.
+
+    The optimizer steps, swaps and commits local shards; per-element optimizer math on a shard
+    is the same as on the ``DTensor``, and no collective is needed.
+    """
+    if _is_dtensor(tensor):
+        with torch.no_grad():  # to_local() returns the stored shard itself without autograd
+            return tensor.to_local()
+    return tensor
+
+
+def shaped_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` as a ``DTensor`` laid out like ``param`` when ``param`` is one; else ``local``.
+
+    Used for state dicts, so a swapped optimizer over FSDP2 parameters returns the same
+    ``DTensor`` state a plain optimizer would.
+    """
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
