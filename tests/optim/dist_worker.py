@@ -1,0 +1,182 @@
+"""One rank of the two-process gloo runs in test_distributed.py (started with spawn).
+
+Every scenario trains the same tiny model for a few steps on per-rank data and saves what the
+test compares, as CPU tensors, to ``out/<scenario>-rank<r>.pt``. Swapped runs use a host budget
+of a few pages, so the state goes through the NVMe tier every step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import tierswap
+from tierswap.optim.distributed import broadcast_owned_params, local_tensor
+
+STEPS = 3
+#: Two 4 KiB pages: one small parameter's AdamW state; everything else waits on disk.
+HOST_BUDGET = "8KiB"
+LR = 1e-2
+
+
+def make_model() -> torch.nn.Module:
+    """Odd widths: FSDP2 shards unevenly, the last layer has empty shards on rank 1, and
+    ZeRO gives each rank three parameters."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 7), torch.nn.Linear(7, 1)
+    )
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def train(model: torch.nn.Module, opt: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        model(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def local_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [local_tensor(p).detach().clone() for p in model.parameters()]
+
+
+# -- DDP + ZeroRedundancyOptimizer -------------------------------------------------------------
+def _zero_class() -> type[Any]:
+    # Importing torch.distributed.optim scripts torch's functional optimizers, which warns.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer
+
+
+def zero(swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1) -> tuple[Any, Any]:
+    ZeroRedundancyOptimizer = _zero_class()
+    model = DistributedDataParallel(make_model())
+    if swap_dir is None:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    else:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=tierswap.swapped(torch.optim.AdamW),
+            swap_dir=swap_dir,
+            host_budget=HOST_BUDGET,
+            commit_every=commit_every,
+            resume=resume,
+            lr=LR,
+        )
+    return model, opt
+
+
+def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
+    model, opt = zero(None)
+    train(model, opt, rank, range(STEPS))
+    plain = local_params(model)
+
+    model, opt = zero(tmp / "zero")
+    train(model, opt, rank, range(STEPS))
+    swapped = local_params(model)
+    info = {"swap_dir": str(opt.optim.swap_dir), "nvme": opt.optim.tier_stats()["nvme"]}
+    info["owned"] = sum(len(g["params"]) for g in opt.optim.param_groups)
+    opt.optim.close()
+
+    model, opt = zero(tmp / "zero-resume")
+    train(model, opt, rank, range(STEPS - 1))
+    opt.optim.close()  # as if killed after the last commit
+    model, opt = zero(tmp / "zero-resume", resume=True)
+    broadcast_owned_params(opt)
+    info["resumed_steps"] = opt.optim.steps
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    resumed = local_params(model)
+    opt.optim.close()
+    return {"plain": plain, "swapped": swapped, "resumed": resumed, **info}
+
+
+# -- FSDP2 -------------------------------------------------------------------------------------
+def fsdp(swap_dir: Path | None, *, resume: bool = False) -> tuple[torch.nn.Module, Any]:
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    if swap_dir is None:
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    return model, tierswap.SwapOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        swap_dir=swap_dir,
+        host_budget=HOST_BUDGET,
+        resume=resume,
+        lr=LR,
+    )
+
+
+def state_locals(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """The state dict's per-parameter state as (is DTensor, local CPU tensor) pairs."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        index: {
+            name: (isinstance(value, DTensor), local_tensor(value).detach().clone())
+            for name, value in state.items()
+        }
+        for index, state in opt.state_dict()["state"].items()
+    }
+
+
+def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
+    model, opt = fsdp(None)
+    train(model, opt, rank, range(STEPS))
+    plain, plain_state = local_params(model), state_locals(opt)
+
+    model, opt = fsdp(tmp / "fsdp")
+    train(model, opt, rank, range(STEPS))
+    swapped, swapped_state = local_params(model), state_locals(opt)
+    info = {"swap_dir": str(opt.swap_dir), "nvme": opt.tier_stats()["nvme"]}
+    info["shard_numels"] = [local_tensor(p).numel() for p in model.parameters()]
+    opt.close()
+
+    model, opt = fsdp(tmp / "fsdp-resume")
+    train(model, opt, rank, range(STEPS - 1))
+    opt.close()
+    model, opt = fsdp(tmp / "fsdp-resume", resume=True)
+    info["resumed_steps"] = opt.steps
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    resumed = local_params(model)
+    opt.close()
+    return {
+        "plain": plain,
+        "swapped": swapped,
+        "resumed": resumed,
+        "plain_state": plain_state,
+        "swapped_state": swapped_state,
+        **info,
+    }
+
+
+def main(rank: int, world_size: int, port: int, tmp: str) -> None:
+    """Entry point of one spawned rank."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),  # a lost peer fails instead of hanging
+    )
+    try:
+        out = Path(tmp)
+        torch.save(zero_scenarios(rank, out), out / f"zero-rank{rank}.pt")
+        torch.save(fsdp_scenarios(rank, out), out / f"fsdp-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
