@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,14 @@ from tierswap.optim.distributed import check_world, local_tensor, shaped_like, w
 if TYPE_CHECKING:
     from tierswap.optim.optimizer import SwapOptimizer
 
-__all__ = ["commit", "load_state_dict", "restore_commit", "state_dict"]
+__all__ = [
+    "SwappedState",
+    "adopt_direct_state",
+    "commit",
+    "load_state_dict",
+    "restore_commit",
+    "state_dict",
+]
 
 
 def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
@@ -37,6 +45,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 def commit(optimizer: SwapOptimizer) -> int:
     """Write params without a master, scalars and hyper-parameters; flush; commit."""
+    adopt_direct_state(optimizer)
     params = {s.param_key: s.local for s in optimizer._slots if not s.has_master}
     small = {
         "small": {i: _clone(v) for i, v in optimizer._small.items()},
@@ -91,6 +100,7 @@ def _clone(value: Any) -> Any:
 
 def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies."""
+    adopt_direct_state(optimizer)
     backend = optimizer._backend
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
@@ -151,3 +161,37 @@ def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) 
     if slot.has_master:
         master = slot.local.detach().to(optimizer.compute_device, master_dtype(slot.param))
         backend.put(slot.master_key, master)
+
+
+class SwappedState(defaultdict):
+    """``SwapOptimizer.state``: empty between calls, because the state lives in the swap space.
+
+    It is true whenever the swap space holds state, so torch's "is the state initialised?"
+    check (``torch.distributed.checkpoint.state_dict`` takes a zero-gradient step otherwise)
+    sees the state. Entries written into it directly, as ``ZeroRedundancyOptimizer.
+    load_state_dict`` does to its local optimizer, move into the swap space at the next
+    ``step()``, ``commit()`` or ``state_dict()`` (:func:`adopt_direct_state`).
+    """
+
+    def __init__(self, optimizer: SwapOptimizer | None = None) -> None:
+        super().__init__(dict)
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+
+    def __bool__(self) -> bool:
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        if len(self) or optimizer is None:
+            return len(self) > 0
+        return any(optimizer._state_names.values()) or any(optimizer._small.values())
+
+
+def adopt_direct_state(optimizer: SwapOptimizer) -> None:
+    """Move state written straight into ``optimizer.state`` into the swap space."""
+    for param, state in list(dict.items(optimizer.state)):
+        slot = optimizer._slot_of.get(id(param))
+        if slot is None:
+            raise ConfigError(
+                f"optimizer.state holds a tensor of shape {tuple(param.shape)} that is not one "
+                "of this optimizer's parameters; load state with load_state_dict()"
+            )
+        _replace_state(optimizer, slot, state)
+    optimizer.state.clear()

@@ -107,6 +107,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         inner.state = defaultdict(dict)
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
+        self.state = _state_dict.SwappedState(self)  # true when the swap space holds state
         self._inner_groups = inner.param_groups
         self._slots: list[Slot] = []
         self._small: dict[int, dict[str, Any]] = defaultdict(dict)
@@ -192,6 +193,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step every parameter that has a gradient, partition by partition; commit when due."""
+        _state_dict.adopt_direct_state(self)  # e.g. from ZeroRedundancyOptimizer.load_state_dict
         loss = None
         if closure is not None:
             with torch.enable_grad():
