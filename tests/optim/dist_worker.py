@@ -78,6 +78,20 @@ def zero(swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1) 
     return model, opt
 
 
+def copy_params(model: torch.nn.Module, values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), values, strict=True):
+            local_tensor(param).copy_(value)
+
+
+def consolidated(opt: Any) -> dict[str, Any]:
+    """ZeRO's full state dict (gathered on rank 0), then handed to every rank."""
+    opt.consolidate_state_dict(to=0)
+    full = [opt.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    return full[0]
+
+
 def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     model, opt = zero(None)
     train(model, opt, rank, range(STEPS))
@@ -92,6 +106,7 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
 
     model, opt = zero(tmp / "zero-resume")
     train(model, opt, rank, range(STEPS - 1))
+    checkpoint, params = consolidated(opt), local_params(model)
     opt.optim.close()  # as if killed after the last commit
     model, opt = zero(tmp / "zero-resume", resume=True)
     broadcast_owned_params(opt)
@@ -99,7 +114,15 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     train(model, opt, rank, range(STEPS - 1, STEPS))
     resumed = local_params(model)
     opt.optim.close()
-    return {"plain": plain, "swapped": swapped, "resumed": resumed, **info}
+
+    # torch's own checkpoint path: ZeRO's load_state_dict writes the local optimizer's .state
+    model, opt = zero(tmp / "zero-load")
+    copy_params(model, params)
+    opt.load_state_dict(checkpoint)
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    loaded = local_params(model)
+    opt.optim.close()
+    return {"plain": plain, "swapped": swapped, "resumed": resumed, "loaded": loaded, **info}
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------
@@ -135,6 +158,11 @@ def state_locals(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
 
 
 def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
     model, opt = fsdp(None)
     train(model, opt, rank, range(STEPS))
     plain, plain_state = local_params(model), state_locals(opt)
@@ -148,16 +176,27 @@ def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
 
     model, opt = fsdp(tmp / "fsdp-resume")
     train(model, opt, rank, range(STEPS - 1))
+    checkpoint, params = get_optimizer_state_dict(model, opt), local_params(model)
+    info["steps_after_get"] = opt.steps  # DCP must not take a zero-gradient step
     opt.close()
     model, opt = fsdp(tmp / "fsdp-resume", resume=True)
     info["resumed_steps"] = opt.steps
     train(model, opt, rank, range(STEPS - 1, STEPS))
     resumed = local_params(model)
     opt.close()
+
+    # torch.distributed.checkpoint's state dicts, into a fresh swap folder
+    model, opt = fsdp(tmp / "fsdp-load")
+    copy_params(model, params)
+    set_optimizer_state_dict(model, opt, checkpoint)
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    loaded = local_params(model)
+    opt.close()
     return {
         "plain": plain,
         "swapped": swapped,
         "resumed": resumed,
+        "loaded": loaded,
         "plain_state": plain_state,
         "swapped_state": swapped_state,
         **info,

@@ -6,7 +6,10 @@ Two gloo processes on the CPU, talking over loopback only, run every scenario of
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,12 @@ def test_zero_resume_per_rank(runs: dict[str, Any], rank: int) -> None:
     _assert_equal(run["resumed"], run["plain"])
 
 
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_zero_load_state_dict_into_swapped(runs: dict[str, Any], rank: int) -> None:
+    """consolidate_state_dict + load_state_dict, torch's ZeRO checkpoint, reaches the swap."""
+    _assert_equal(runs[f"zero{rank}"]["loaded"], runs[f"zero{rank}"]["plain"])
+
+
 # -- FSDP2 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
 def test_fsdp2_swapped_equals_plain(runs: dict[str, Any], rank: int) -> None:
@@ -141,6 +150,14 @@ def test_fsdp2_resume_per_rank(runs: dict[str, Any], rank: int) -> None:
     run = runs[f"fsdp{rank}"]
     assert run["resumed_steps"] == dist_worker.STEPS - 1
     _assert_equal(run["resumed"], run["plain"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fsdp2_distributed_checkpoint_state_dict(runs: dict[str, Any], rank: int) -> None:
+    """get/set_optimizer_state_dict round trip; getting it takes no zero-gradient step."""
+    run = runs[f"fsdp{rank}"]
+    assert run["steps_after_get"] == dist_worker.STEPS - 1
+    _assert_equal(run["loaded"], run["plain"])
 
 
 # -- world size --------------------------------------------------------------------------------
@@ -182,3 +199,67 @@ def test_check_world_outside_a_process_group(tmp_path: Path) -> None:
         check_world({"rank": 1, "world_size": 1}, tmp_path)
     with pytest.raises(WorldSizeError, match="world_size=4"):
         check_world({"rank": 0, "world_size": 4}, tmp_path)
+
+
+# -- the optimizer's .state, as torch.distributed sees it ---------------------------------------
+def test_state_is_true_once_the_swap_space_holds_state(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint steps an optimizer whose ``state`` is false."""
+    model = dist_worker.make_model()
+    with tierswap.SwapOptimizer(model.parameters(), swap_dir=tmp_path, lr=1e-2) as opt:
+        assert not opt.state
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        assert opt.state
+        assert len(opt.state) == 0  # the tensors themselves stay in the swap space
+
+
+def test_state_written_directly_is_adopted(tmp_path: Path) -> None:
+    """ZeroRedundancyOptimizer.load_state_dict assigns ``optim.state[param]`` itself."""
+    model = dist_worker.make_model()
+    plain_model = dist_worker.make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_model(torch.ones(2, 8)).sum().backward()
+    plain.step()
+    plain.zero_grad()
+    with tierswap.SwapOptimizer(model.parameters(), swap_dir=tmp_path, lr=1e-2) as opt:
+        model.load_state_dict(plain_model.state_dict())
+        for param, plain_param in zip(model.parameters(), plain_model.parameters(), strict=True):
+            opt.state[param] = {k: v.clone() for k, v in plain.state[plain_param].items()}
+        for m in (model, plain_model):
+            m(torch.full((2, 8), 0.5)).sum().backward()
+        opt.step()
+        plain.step()
+        assert len(opt.state) == 0
+        _assert_equal(list(model.parameters()), list(plain_model.parameters()))
+        opt.state[torch.zeros(3)] = {}
+        with pytest.raises(ConfigError, match="not one of this optimizer's parameters"):
+            opt.step()
+
+
+# -- the example, as the docs tell users to run it ---------------------------------------------
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "distributed.py"
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLE), *args,
+    ]  # fmt: skip
+    root = str(EXAMPLE.parents[1])
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S, check=False
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("mode", ["zero", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_example_trains_and_resumes_under_torchrun(tmp_path: Path, mode: str) -> None:
+    common = ("--mode", mode, "--swap-dir", str(tmp_path), "--steps", "2")
+    first = _torchrun(*common)
+    assert "step    2" in first.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0", "rank-1"]
+    second = _torchrun(*common, "--resume")
+    assert "step    4" in second.stdout
+    assert "step    1" not in second.stdout
