@@ -157,6 +157,26 @@ def state_locals(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     }
 
 
+def save_dcp(model: torch.nn.Module, opt: Any, path: Path) -> None:
+    """torch.distributed.checkpoint of model and optimizer: each rank writes its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def load_dcp(model: torch.nn.Module, opt: Any, path: Path) -> None:
+    """Load a checkpoint of :func:`save_dcp`, resharded to this run's world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -178,6 +198,8 @@ def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     train(model, opt, rank, range(STEPS - 1))
     checkpoint, params = get_optimizer_state_dict(model, opt), local_params(model)
     info["steps_after_get"] = opt.steps  # DCP must not take a zero-gradient step
+    info["state_at_get"], info["params_at_get"] = state_locals(opt), params
+    save_dcp(model, opt, tmp / "fsdp-dcp")  # for the test that reshards it onto one rank
     opt.close()
     model, opt = fsdp(tmp / "fsdp-resume", resume=True)
     info["resumed_steps"] = opt.steps

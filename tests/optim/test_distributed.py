@@ -160,6 +160,34 @@ def test_fsdp2_distributed_checkpoint_state_dict(runs: dict[str, Any], rank: int
     _assert_equal(run["loaded"], run["plain"])
 
 
+def _cat_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    return shards[0] if shards[0].dim() == 0 else torch.cat(shards)
+
+
+def test_fsdp2_reshards_through_dcp_onto_one_rank(
+    runs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another world size: a torch.distributed.checkpoint of the two-rank run, loaded on one."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, opt = dist_worker.fsdp(tmp_path / "one-rank")
+        dist_worker.load_dcp(model, opt, runs["fsdp0"]["tmp"] / "fsdp-dcp")
+        saved = [runs[f"fsdp{r}"] for r in range(WORLD_SIZE)]
+        for index, param in enumerate(dist_worker.local_params(model)):
+            assert torch.equal(param, _cat_shards([s["params_at_get"][index] for s in saved]))
+        for index, state in dist_worker.state_locals(opt).items():
+            for name, (_, value) in state.items():
+                shards = [s["state_at_get"][index][name][1] for s in saved]
+                assert torch.equal(value, _cat_shards(shards)), (index, name)
+        dist_worker.train(model, opt, 0, range(dist_worker.STEPS - 1, dist_worker.STEPS))
+        opt.close()
+        with SwapStore(tmp_path / "one-rank" / "rank-0", mode="r") as store:
+            assert store.meta["tierswap.optim"]["world_size"] == 1
+    finally:
+        dist.destroy_process_group()
+
+
 # -- world size --------------------------------------------------------------------------------
 def _resume(swap_dir: Path) -> None:
     tierswap.SwapOptimizer(
