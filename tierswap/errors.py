@@ -13,6 +13,7 @@ __all__ = [
     "BudgetError",
     "ConfigError",
     "CorruptionError",
+    "InconsistentResumeError",
     "InvalidKeyError",
     "InvalidTensorError",
     "KeyNotFoundError",
@@ -40,6 +41,10 @@ class BudgetError(ConfigError):
 
 class WorldSizeError(ConfigError):
     """A swap folder was committed by a torch.distributed run with another world size or rank."""
+
+
+class InconsistentResumeError(TierswapError, RuntimeError):
+    """The ranks of a torch.distributed run resumed swap folders committed at different steps."""
 
 
 class InvalidKeyError(TierswapError, ValueError):

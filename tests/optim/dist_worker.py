@@ -126,7 +126,9 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------
-def fsdp(swap_dir: Path | None, *, resume: bool = False) -> tuple[torch.nn.Module, Any]:
+def fsdp(
+    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1
+) -> tuple[torch.nn.Module, Any]:
     model = make_model()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -140,6 +142,7 @@ def fsdp(swap_dir: Path | None, *, resume: bool = False) -> tuple[torch.nn.Modul
         swap_dir=swap_dir,
         host_budget=HOST_BUDGET,
         resume=resume,
+        commit_every=commit_every,
         lr=LR,
     )
 
@@ -175,6 +178,22 @@ def load_dcp(model: torch.nn.Module, opt: Any, path: Path) -> None:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def skewed_resume(rank: int, swap_dir: Path) -> str:
+    """Rank 0 commits step 2, rank 1 only step 1 (a kill between commits); resume both."""
+    model, opt = fsdp(swap_dir, commit_every=0)
+    train(model, opt, rank, range(1))
+    opt.commit()
+    train(model, opt, rank, range(1, 2))
+    if rank == 0:
+        opt.commit()
+    opt.close()
+    try:
+        fsdp(swap_dir, resume=True)[1].close()
+    except tierswap.errors.InconsistentResumeError as exc:
+        return str(exc)
+    return "resumed"
 
 
 def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
@@ -214,6 +233,7 @@ def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     train(model, opt, rank, range(STEPS - 1, STEPS))
     loaded = local_params(model)
     opt.close()
+    info["skewed_resume"] = skewed_resume(rank, tmp / "fsdp-skewed")
     return {
         "plain": plain,
         "swapped": swapped,

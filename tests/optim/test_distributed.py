@@ -188,6 +188,15 @@ def test_fsdp2_reshards_through_dcp_onto_one_rank(
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_resume_of_folders_at_different_steps_raises_on_every_rank(
+    runs: dict[str, Any], rank: int
+) -> None:
+    message = runs[f"fsdp{rank}"]["skewed_resume"]
+    assert "rank 0: 2, rank 1: 1" in message
+    assert f"rank-{rank}" in message
+
+
 # -- world size --------------------------------------------------------------------------------
 def _resume(swap_dir: Path) -> None:
     tierswap.SwapOptimizer(

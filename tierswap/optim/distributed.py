@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
-from tierswap.errors import WorldSizeError
+from tierswap.errors import InconsistentResumeError, WorldSizeError
 
 __all__ = [
+    "InconsistentResumeError",
     "WorldSizeError",
     "broadcast_owned_params",
+    "check_resumed_steps",
     "check_world",
     "local_tensor",
     "rank_swap_dir",
@@ -104,6 +106,28 @@ def broadcast_owned_params(optimizer: Any) -> None:
     with torch.no_grad():
         for param, owner in zip(params, owners.tolist(), strict=True):
             dist.broadcast(param.data, src=dist.get_global_rank(group, owner), group=group)
+
+
+def check_resumed_steps(steps: int, path: str | Path) -> None:
+    """Raise :class:`InconsistentResumeError` unless every rank resumed the same step.
+
+    Each rank commits its own folder at the end of its own ``step()``; a run killed between two
+    ranks' commits leaves folders one step apart, which no rank can repair alone. A collective
+    over the default process group (``all_gather_object``: every rank must call it, as every
+    rank constructs its optimizer); a no-op outside ``torch.distributed``.
+    """
+    if not _distributed():
+        return
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, int(steps))
+    if len(set(gathered)) > 1:
+        found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
+        raise InconsistentResumeError(
+            f"the ranks' swap folders hold different steps ({found}; this is {str(path)!r}): "
+            "the run stopped between two ranks' commits, and no rank can step back or catch up "
+            "alone. Load a torch checkpoint (e.g. torch.distributed.checkpoint) into a new "
+            "swap_dir, or start again"
+        )
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

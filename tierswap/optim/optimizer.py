@@ -29,7 +29,7 @@ from tierswap.optim._partition import (
     partition_slots,
     probe_state_itemsizes,
 )
-from tierswap.optim.distributed import local_tensor
+from tierswap.optim.distributed import check_resumed_steps, local_tensor
 
 __all__ = ["SwapOptimizer"]
 
@@ -130,6 +130,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
         try:
             self._start(config.resume)
+            if config.resume:  # every rank must resume the same step (a collective)
+                check_resumed_steps(self._steps, self._backend.path)
         except BaseException:
             self._backend.close()
             raise
