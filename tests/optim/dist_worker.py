@@ -127,7 +127,7 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
 
 # -- FSDP2 -------------------------------------------------------------------------------------
 def fsdp(
-    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1
+    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1, **swap_kwargs: Any
 ) -> tuple[torch.nn.Module, Any]:
     model = make_model()
     for layer in model:
@@ -144,6 +144,7 @@ def fsdp(
         resume=resume,
         commit_every=commit_every,
         lr=LR,
+        **swap_kwargs,
     )
 
 
@@ -178,6 +179,20 @@ def load_dcp(model: torch.nn.Module, opt: Any, path: Path) -> None:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def overlap_backward(rank: int, swap_dir: Path) -> tuple[list[torch.Tensor], bool]:
+    """overlap="backward": FSDP2 runs the post-accumulate-grad hooks after its reduce-scatter."""
+    model, opt = fsdp(swap_dir, overlap="backward")
+    stepped_in_hooks = True
+    for step in range(STEPS):
+        model(batch(rank, step)).square().mean().backward()
+        stepped_in_hooks &= all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    params = local_params(model)
+    opt.close()
+    return params, stepped_in_hooks
 
 
 def skewed_resume(rank: int, swap_dir: Path) -> str:
@@ -234,6 +249,7 @@ def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     loaded = local_params(model)
     opt.close()
     info["skewed_resume"] = skewed_resume(rank, tmp / "fsdp-skewed")
+    info["overlap"], info["stepped_in_hooks"] = overlap_backward(rank, tmp / "fsdp-overlap")
     return {
         "plain": plain,
         "swapped": swapped,

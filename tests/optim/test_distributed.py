@@ -189,6 +189,13 @@ def test_fsdp2_reshards_through_dcp_onto_one_rank(
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fsdp2_overlap_backward_steps_in_hooks(runs: dict[str, Any], rank: int) -> None:
+    run = runs[f"fsdp{rank}"]
+    assert run["stepped_in_hooks"]
+    _assert_equal(run["overlap"], run["plain"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
 def test_resume_of_folders_at_different_steps_raises_on_every_rank(
     runs: dict[str, Any], rank: int
 ) -> None:
