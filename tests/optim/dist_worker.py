@@ -126,14 +126,18 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------
-def fsdp(
-    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1, **swap_kwargs: Any
-) -> tuple[torch.nn.Module, Any]:
-    model = make_model()
+def shard(model: torch.nn.Module) -> torch.nn.Module:
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def fsdp(
+    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1, **swap_kwargs: Any
+) -> tuple[torch.nn.Module, Any]:
+    model = shard(make_model())
     if swap_dir is None:
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
     return model, tierswap.SwapOptimizer(
@@ -195,6 +199,34 @@ def overlap_backward(rank: int, swap_dir: Path) -> tuple[list[torch.Tensor], boo
     return params, stepped_in_hooks
 
 
+def bf16_masters(rank: int, swap_dir: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """bf16 FSDP2 params: SwapOptimizer keeps fp32 masters of the local shards. Reference: plain
+    AdamW over hand-made fp32 master DTensors, cast back into the bf16 params each step."""
+    model = shard(make_model().to(torch.bfloat16))
+    opt = tierswap.SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, host_budget="16KiB", lr=LR
+    )
+    ref = shard(make_model().to(torch.bfloat16))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=LR)
+    for step in range(STEPS):
+        for m in (model, ref):
+            m(batch(rank, step).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for master, param in zip(masters, ref.parameters(), strict=True):
+            master.grad = param.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for master, param in zip(masters, ref.parameters(), strict=True):
+                param.copy_(master)
+                param.grad = None
+    swapped = local_params(model)
+    opt.close()
+    return swapped, local_params(ref)
+
+
 def skewed_resume(rank: int, swap_dir: Path) -> str:
     """Rank 0 commits step 2, rank 1 only step 1 (a kill between commits); resume both."""
     model, opt = fsdp(swap_dir, commit_every=0)
@@ -249,6 +281,7 @@ def fsdp_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     loaded = local_params(model)
     opt.close()
     info["skewed_resume"] = skewed_resume(rank, tmp / "fsdp-skewed")
+    info["bf16"], info["bf16_reference"] = bf16_masters(rank, tmp / "fsdp-bf16")
     info["overlap"], info["stepped_in_hooks"] = overlap_backward(rank, tmp / "fsdp-overlap")
     return {
         "plain": plain,

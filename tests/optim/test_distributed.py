@@ -189,6 +189,13 @@ def test_fsdp2_reshards_through_dcp_onto_one_rank(
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fsdp2_bf16_params_keep_fp32_masters_of_the_shards(runs: dict[str, Any], rank: int) -> None:
+    run = runs[f"fsdp{rank}"]
+    assert all(p.dtype == torch.bfloat16 for p in run["bf16"])
+    _assert_equal(run["bf16"], run["bf16_reference"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
 def test_fsdp2_overlap_backward_steps_in_hooks(runs: dict[str, Any], rank: int) -> None:
     run = runs[f"fsdp{rank}"]
     assert run["stepped_in_hooks"]
