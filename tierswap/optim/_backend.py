@@ -8,12 +8,15 @@ counters, scalars, hyper-parameters) travel as one pickled blob under :data:`SMA
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,23 @@ __all__ = ["SMALL_KEY", "StateBackend", "resolve_swap_dir"]
 
 SMALL_KEY = "optim/small"
 META_KEY = "tierswap.optim"
+
+_LIVE: weakref.WeakSet[StateBackend] = weakref.WeakSet()
+
+
+def _close_live_backends() -> None:
+    """Close backends left open at exit while the I/O threads still run.
+
+    ``threading._register_atexit`` callbacks run before the interpreter joins its threads (plain
+    ``atexit`` runs after, when the store's pools no longer take work); concurrent.futures uses
+    the same hook.
+    """
+    for backend in list(_LIVE):
+        with contextlib.suppress(Exception):
+            backend.close()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_close_live_backends)
 
 
 def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
@@ -97,6 +117,10 @@ class StateBackend:
             raise
         self.known: set[str] = set(self.store.keys()) if resume else set()
         self._closed = False
+        # Write-behind: evictions of stepped partitions run here while the next one steps.
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-writeback")
+        self._evicting: list[Future[None]] = []
+        _LIVE.add(self)
 
     # -- tensors --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -126,6 +150,19 @@ class StateBackend:
             self.cache.delete(key)
             self.known.discard(key)
 
+    def evict_behind(self, keys: Sequence[str]) -> None:
+        """Start writing ``keys`` down and dropping them from memory; returns at once.
+
+        Call :meth:`settle` before touching these keys again.
+        """
+        self._evicting += [self._writer.submit(self.cache.evict, key) for key in keys]
+
+    def settle(self) -> None:
+        """Wait for the evictions started by :meth:`evict_behind` (re-raising their errors)."""
+        pending, self._evicting = self._evicting, []
+        for future in pending:
+            future.result()
+
     def prefetch(self, keys: Sequence[str]) -> None:
         keys = [k for k in keys if k in self.known]
         if keys:
@@ -136,6 +173,7 @@ class StateBackend:
         self, params: dict[str, torch.Tensor], small: dict[str, Any], meta: dict[str, Any]
     ) -> int:
         """Write ``params`` and ``small`` to the store, flush the cache, commit atomically."""
+        self.settle()
         for key, tensor in params.items():
             self.store.put(key, tensor.detach())
         buffer = io.BytesIO()
@@ -165,6 +203,8 @@ class StateBackend:
             return
         self._closed = True
         try:
+            self.settle()
+            self._writer.shutdown()
             self.cache.close()
         finally:
             self.store.close()

@@ -63,6 +63,8 @@ def _prefetch_partition(optimizer: SwapOptimizer, slot: Any) -> None:
         return
     if optimizer._prefetched_bytes + part.working_set > optimizer._tier_budget():
         return  # would push out state needed sooner; step() prefetches the rest
+    if not optimizer._prefetched:
+        optimizer._backend.settle()  # the last step's write-behind must not race these reads
     optimizer._prefetched.add(part.index)
     optimizer._prefetched_bytes += part.working_set
     optimizer._backend.prefetch(optimizer._keys(part.slots))

@@ -102,6 +102,7 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies."""
     adopt_direct_state(optimizer)
     backend = optimizer._backend
+    backend.settle()
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
@@ -120,6 +121,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
     Master weights are not part of torch's format: they are refreshed from the model params.
     """
     inner = optimizer._inner
+    optimizer._backend.settle()
     targets = [_load_target(optimizer, s) for s in optimizer._slots]
     position = 0
     groups = []

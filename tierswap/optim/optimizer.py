@@ -11,6 +11,7 @@ stepping all at once.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -128,12 +129,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             durable=config.durable,
             resume=config.resume,
         )
+        # Closes the cache and store (and removes a temporary folder) when the optimizer is
+        # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
+        # then; no background work is left between steps, so nothing is lost.
+        self._finalizer = weakref.finalize(self, self._backend.close)
+        self._finalizer.atexit = False
         try:
             self._start(config.resume)
             if config.resume:  # every rank must resume the same step (a collective)
                 check_resumed_steps(self._steps, self._backend.path)
         except BaseException:
-            self._backend.close()
+            self._finalizer()
             raise
         self._hook_handles = _hooks.register(self)
         self._ready = True
@@ -161,8 +167,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         budget = self.host_budget
         if self.tier == "device":
             budget = min(budget, self._config.device_budget)
-        target = min(max(budget // 4, 1), MAX_PARTITION_BYTES)
+        target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
         self._partitions: list[Partition] = partition_slots(self._slots[::-1], target)
+        self._evict_after = _write_behind(self._partitions, budget)
         check_budget(self._partitions, self.host_budget, "host_budget")
         if self.tier == "device":
             check_budget(self._partitions, self._config.device_budget, "device_budget")
@@ -204,9 +211,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             (part, [s for s in part.slots if self._ready_to_step(s)]) for part in self._partitions
         ]
         work = [(part, live) for part, live in work if live]
-        for position, (_, live) in enumerate(work):
+        self._backend.settle()
+        for position, (part, live) in enumerate(work):
             self._prefetch_ahead(work, position)
             self._step_slots(live)
+            if part.index in self._evict_after:
+                self._backend.evict_behind(self._keys(part.slots))
+        self._backend.settle()  # the last writes finish here: nothing runs between steps
         self._stepped.clear()
         _hooks.new_cycle(self)
         self._steps += 1
@@ -338,7 +349,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Release hooks, cache and store; a temporary swap folder is removed."""
         _hooks.remove(getattr(self, "_hook_handles", []))
         self._hook_handles = []
-        self._backend.close()
+        self._finalizer()
 
     def __enter__(self) -> SwapOptimizer:
         return self
@@ -352,6 +363,25 @@ class SwapOptimizer(torch.optim.Optimizer):
             f"partitions={len(self._partitions)}, tier={self.tier!r}, "
             f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
         )
+
+
+def _write_behind(partitions: list[Partition], budget: int) -> set[int]:
+    """Partitions to write back and drop right after they step, when the state exceeds ``budget``.
+
+    In a cyclic schedule the optimal victim is the partition just stepped (Belady evicts what is
+    used furthest ahead). The first partitions, up to a third of the budget, stay resident: the
+    next step starts with them. The rest of the budget holds the pipeline: the partition
+    stepping, the ones being read ahead and the ones being written behind.
+    """
+    if sum(p.working_set for p in partitions) <= budget:
+        return set()
+    kept, evicted = 0, set()
+    for part in partitions:
+        if not evicted and kept + part.working_set <= budget // 3:
+            kept += part.working_set
+        else:
+            evicted.add(part.index)
+    return evicted
 
 
 def _check_class(optimizer_class: Any) -> None:
