@@ -14,6 +14,7 @@ the CPU otherwise.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import warnings
 
@@ -85,6 +86,17 @@ def train(model: torch.nn.Module, opt: object, args: argparse.Namespace, device:
             print(f"step {local.steps:4d}  loss {loss.item():.4f}", flush=True)
 
 
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    setup = zero_setup if args.mode == "zero" else fsdp_setup
+    model, opt = setup(make_model(device), args)
+    local = swap_optimizer(opt)
+    try:
+        train(model, opt, args, device)
+        print(f"rank {dist.get_rank()}: {local.swap_dir}  {local.tier_stats()['nvme']}")
+    finally:
+        local.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("zero", "fsdp"), default="zero")
@@ -101,15 +113,11 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        setup = zero_setup if args.mode == "zero" else fsdp_setup
-        model, opt = setup(make_model(device), args)
-        local = swap_optimizer(opt)
-        try:
-            train(model, opt, args, device)
-            print(f"rank {dist.get_rank()}: {local.swap_dir}  {local.tier_stats()['nvme']}")
-        finally:
-            local.close()
+        run(args, device)
     finally:
+        # DDP and ZeRO hold the process group; free them first, so the group's threads are
+        # joined by destroy_process_group and not during interpreter shutdown.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ of a few pages, so the state goes through the NVMe tier every step.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import warnings
 from pathlib import Path
@@ -309,4 +310,5 @@ def main(rank: int, world_size: int, port: int, tmp: str) -> None:
         torch.save(zero_scenarios(rank, out), out / f"zero-rank{rank}.pt")
         torch.save(fsdp_scenarios(rank, out), out / f"fsdp-rank{rank}.pt")
     finally:
+        gc.collect()  # free DDP / ZeRO / FSDP objects holding the group before destroying it
         dist.destroy_process_group()
