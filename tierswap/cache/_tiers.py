@@ -84,6 +84,7 @@ class Tier:
         self.budget = budget
         self.used = 0  # resident + loading + writing back; never above budget
         self.writing = 0  # part of `used` that write-backs in flight will free
+        self.demand_waiting = 0  # callers blocked until bytes free up here (they go first)
         self.entries: dict[str, Entry] = {}
         self.hits = 0
         self.misses = 0

@@ -123,10 +123,15 @@ class TierCache:
             return entry.tensor
 
     @contextlib.contextmanager
-    def pinned(self, key: str, tier: TierArg = None) -> Iterator[torch.Tensor]:
+    def pinned(
+        self, key: str, tier: TierArg = None, *, dirty: bool = False
+    ) -> Iterator[torch.Tensor]:
         """Hold the item at ``tier`` for the ``with`` block; it is never evicted meanwhile.
 
-        Raises :class:`~tierswap.errors.BudgetError` when pinned items would exceed the budget.
+        Modify the tensor in place inside the block and either call :meth:`mark_dirty` there
+        or pass ``dirty=True`` (marks it on leaving the block). Once the block is left the item
+        may be evicted at any moment, so marking it afterwards can be too late. Raises
+        :class:`~tierswap.errors.BudgetError` when pinned items would exceed the budget.
         """
         with self._claimed(key, tier) as entry, self._cv:
             entry.pins += 1
@@ -135,6 +140,7 @@ class TierCache:
         finally:
             with self._cv:
                 entry.pins -= 1
+                entry.dirty = entry.dirty or dirty
                 self._wake_pump()
 
     def put(self, key: str, tensor: torch.Tensor, tier: TierArg | Literal["nvme"] = None) -> None:
@@ -491,6 +497,8 @@ class TierCache:
         t = self._tiers[tier]
         if size > t.budget:
             raise BudgetError(f"{format_size(size)} cannot fit the {tier} budget")
+        if incoming is not None and t.demand_waiting:
+            return False  # a blocked get/put goes first: prefetches must not take its bytes
         while t.free < size:
             victim = None
             if t.free + t.writing < size:
@@ -504,7 +512,11 @@ class TierCache:
             if not wait:
                 return False
             self._check_pins(t, size)
-            self._wait()
+            t.demand_waiting += 1
+            try:
+                self._wait()
+            finally:
+                t.demand_waiting -= 1
             return False
         t.used += size
         return True
