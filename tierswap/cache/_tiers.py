@@ -7,6 +7,7 @@ every call.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Literal
 
 import torch
@@ -56,13 +57,17 @@ class Entry:
     tensor: torch.Tensor
     state: str = READY
     dirty: bool = False
-    pins: int = 0  # pinned() holders
+    pinners: Counter[int] = dataclasses.field(default_factory=Counter)  # thread id -> pins
     claims: int = 0  # transient holds by the cache itself (a get returning it, a move)
     error: BaseException | None = None
 
     @property
     def size(self) -> int:
         return self.meta.footprint
+
+    @property
+    def pins(self) -> int:
+        return sum(self.pinners.values())
 
     @property
     def held(self) -> bool:
@@ -99,6 +104,10 @@ class Tier:
 
     def pinned_bytes(self) -> int:
         return sum(e.size for e in self.entries.values() if e.pins)
+
+    def pin_holders(self) -> set[int]:
+        """Ids of the threads holding pins in this tier."""
+        return {tid for e in self.entries.values() for tid in e.pinners}
 
     def unsettled(self) -> bool:
         """True while some state change in flight may later free or unblock bytes here."""

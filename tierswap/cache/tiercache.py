@@ -105,6 +105,7 @@ class TierCache:
         self._auto: list[tuple[str, TierName]] = []
         self._auto_iter: Iterator[tuple[str, TierName]] | None = None
         self._errors: list[BaseException] = []
+        self._blocked: set[int] = set()  # threads waiting for room (pin deadlock detection)
         self._counters = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
         self._stall = 0.0
         self._pump_wanted = False
@@ -133,13 +134,16 @@ class TierCache:
         may be evicted at any moment, so marking it afterwards can be too late. Raises
         :class:`~tierswap.errors.BudgetError` when pinned items would exceed the budget.
         """
+        me = threading.get_ident()
         with self._claimed(key, tier) as entry, self._cv:
-            entry.pins += 1
+            entry.pinners[me] += 1
         try:
             yield entry.tensor
         finally:
             with self._cv:
-                entry.pins -= 1
+                entry.pinners[me] -= 1
+                if not entry.pinners[me]:
+                    del entry.pinners[me]
                 entry.dirty = entry.dirty or dirty
                 self._wake_pump()
 
@@ -385,7 +389,7 @@ class TierCache:
         meta = self._meta[key]
         host = self._tiers["host"]
         tier: TierName = "host" if meta.footprint <= host.budget else target
-        if not self._reserve(tier, meta.footprint, incoming=None):
+        if not self._reserve(tier, meta.footprint, incoming=None, wait=True):
             return None  # the lock was released while waiting; the caller looks again
         entry = self._new_loading(key, meta, tier)
         entry.claims += 1
@@ -399,21 +403,21 @@ class TierCache:
         return entry
 
     def _move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
-        """Move a ready entry to ``target`` (a host<->device copy, no disk I/O)."""
-        entry.claims += 1  # not evictable while we make room (the lock may be released)
-        incoming = entry.key if prefetch else None
+        """Move a ready entry to ``target`` (a host<->device copy, no disk I/O).
+
+        Returns ``False`` when there is no room yet; a demand move then waits for room without
+        holding the entry (two moves in opposite directions must not wait on each other).
+        """
+        entry.claims += 1  # demoting victims into our tier must not evict the entry itself
         try:
-            ok = self._reserve(target, entry.size, incoming=incoming, wait=not prefetch)
+            ok = self._reserve(target, entry.size, incoming=entry.key if prefetch else None)
         finally:
             entry.claims -= 1
-        if not ok:
-            return False
-        if self._find(entry.key) is not entry or entry.state != READY or entry.pins:
-            self._tiers[target].used -= entry.size  # changed while we waited; caller retries
-            self._cv.notify_all()
-            return False
-        self._relocate(entry, target)
-        return True
+        if ok:
+            self._relocate(entry, target)
+        elif not prefetch:
+            self._wait_for_room(self._tiers[target], entry.size)
+        return ok
 
     def _relocate(self, entry: Entry, target: TierName) -> None:
         src, dst = self._tiers[entry.tier], self._tiers[target]
@@ -446,7 +450,7 @@ class TierCache:
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
             if entry is not None:
                 self._discard(entry)
-            if not self._reserve(target, meta.footprint, incoming=None):
+            if not self._reserve(target, meta.footprint, incoming=None, wait=True):
                 self._settle_key(key, allow_pinned=True)
                 continue
             t = self._tiers[target]
@@ -486,13 +490,13 @@ class TierCache:
 
     # ---------------------------------------------------- budgets and eviction
     def _reserve(
-        self, tier: TierName, size: int, *, incoming: str | None, wait: bool = True
+        self, tier: TierName, size: int, *, incoming: str | None, wait: bool = False
     ) -> bool:
         """Count ``size`` bytes as used in ``tier``, evicting as the policy says.
 
         ``incoming`` names the key of a prefetch: the policy may then refuse to evict (do no
-        harm). Returns ``False`` when it had to wait (state may have changed) or, with
-        ``wait=False``, when the bytes are not free yet.
+        harm). Returns ``False`` when the bytes are not free yet, after one wait for them with
+        ``wait=True`` (the lock was released: the caller must look at the state again).
         """
         t = self._tiers[tier]
         if size > t.budget:
@@ -509,26 +513,41 @@ class TierCache:
             if victim is not None:
                 self._evict(victim, demote=True)
                 continue
-            if not wait:
-                return False
-            self._check_pins(t, size)
-            t.demand_waiting += 1
-            try:
-                self._wait()
-            finally:
-                t.demand_waiting -= 1
+            if wait:
+                self._wait_for_room(t, size)
             return False
         t.used += size
         return True
 
-    def _check_pins(self, t: Tier, size: int) -> None:
+    def _wait_for_room(self, t: Tier, size: int) -> None:
+        """One wait for bytes to free up in ``t``; prefetches stand back meanwhile."""
+        timeout = self._check_pins(t, size)
+        me = threading.get_ident()
+        t.demand_waiting += 1
+        self._blocked.add(me)
+        try:
+            self._wait(timeout)
+        finally:
+            t.demand_waiting -= 1
+            self._blocked.discard(me)
+
+    def _check_pins(self, t: Tier, size: int) -> float | None:
+        """Raise when waiting for room could never end; else how long to wait (None: a wake).
+
+        Pins held by other threads that are not themselves blocked here will be released, so
+        the caller waits for them (polling: unpinning is not an event it can miss safely).
+        """
         pinned = t.pinned_bytes()
-        if pinned + size > t.budget or not (t.unsettled() or self._launches):
-            raise BudgetError(
-                f"the {t.name} tier cannot hold {format_size(size)} more: "
-                f"{format_size(pinned)} of its {format_size(t.budget)} budget is pinned; "
-                f"pin fewer items at once or raise {t.name}_budget"
-            )
+        if pinned + size <= t.budget and (t.unsettled() or self._launches):
+            return None
+        others = t.pin_holders() - self._blocked - {threading.get_ident()}
+        if others:
+            return 0.05
+        raise BudgetError(
+            f"the {t.name} tier cannot hold {format_size(size)} more: "
+            f"{format_size(pinned)} of its {format_size(t.budget)} budget is pinned; "
+            f"pin fewer items at once or raise {t.name}_budget"
+        )
 
     def _evict(self, entry: Entry, *, demote: bool) -> None:
         """Take a ready, unheld entry out of its tier: demote, write back, or drop."""
@@ -616,7 +635,7 @@ class TierCache:
             return _BLOCKED
         load_tier: TierName = "host" if meta.footprint <= self._tiers["host"].budget else tier
         self.policy.admit(key)
-        if not self._reserve(load_tier, meta.footprint, incoming=key, wait=False):
+        if not self._reserve(load_tier, meta.footprint, incoming=key):
             return _BLOCKED
         self._new_loading(key, meta, load_tier)
         return _DONE if load_tier == tier else _PENDING
@@ -738,13 +757,13 @@ class TierCache:
         return None
 
     # -------------------------------------------------------------- plumbing
-    def _wait(self) -> None:
+    def _wait(self, timeout: float | None = None) -> None:
         """Under the lock: run queued launches (lock released), or wait for a state change."""
         if self._launches:
             self._run_launches()
             return
         start = time.perf_counter()
-        self._cv.wait()
+        self._cv.wait(timeout)
         if threading.current_thread() is not self._pump:
             self._stall += time.perf_counter() - start
 
