@@ -30,7 +30,7 @@ import zarr
 
 from tierswap.cli._measure import elapsed, fsync_tree
 from tierswap.config import ALIGN, IOConfig, round_up
-from tierswap.errors import BenchmarkError
+from tierswap.errors import BenchmarkError, ConfigError
 from tierswap.store import SwapStore
 
 __all__ = [
@@ -68,7 +68,10 @@ class StoreEngine:
     direct_used: bool | None = None
 
     def write(self, folder: Path) -> float:
-        store = SwapStore(folder / "store", mode="w", durable=True, io=self.io)
+        try:
+            store = SwapStore(folder / "store", mode="w", durable=True, io=self.io)
+        except ConfigError as exc:  # direct="on" on a filesystem that refuses O_DIRECT
+            raise BenchmarkError(str(exc)) from exc
         try:
             seconds = elapsed(lambda: (store.put(_KEY, self.src), store.commit()))
             self.direct_used = store.direct

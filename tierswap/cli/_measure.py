@@ -39,6 +39,7 @@ __all__ = [
     "fsync_tree",
     "random_source",
     "run_trial",
+    "short_size",
 ]
 
 #: Rates are reported in GB/s with GB = 10**9 bytes, as fio and dd print them.
@@ -47,6 +48,14 @@ _DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 _BENCH_PREFIX = "tierswap-bench-"
 
 DropMethod = Literal["auto", "drop_caches", "fadvise"]
+
+
+def short_size(nbytes: int) -> str:
+    """``8 MiB``, ``512 KiB``, ``1.5 MiB``: block sizes as people write them."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +73,7 @@ class Setting:
     @property
     def label(self) -> str:
         threads = "-" if self.threads is None else str(self.threads)
-        return f"{self.engine} {format_size(self.block_bytes)} x{threads}"
+        return f"{self.engine} {short_size(self.block_bytes)} x{threads}"
 
 
 @dataclasses.dataclass(frozen=True)

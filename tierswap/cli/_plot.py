@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from tierswap.cli._measure import GB
-from tierswap.cli._report import BenchReport, Result, short_size
+from tierswap.cli._measure import GB, short_size
+from tierswap.cli._report import BenchReport, Result
 from tierswap.errors import ConfigError
 
 __all__ = ["plot_report"]

@@ -9,7 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any, TextIO
 
-from tierswap.cli._measure import GB, Sample, Setting, Stats
+from tierswap.cli._measure import GB, Sample, Setting, Stats, short_size
 from tierswap.config import IOConfig, format_size
 from tierswap.errors import ConfigError
 
@@ -18,21 +18,12 @@ __all__ = [
     "BenchReport",
     "Result",
     "best_result",
-    "short_size",
     "write_tune_file",
 ]
 
 #: Engines that run tierswap's own I/O path (the ones ``--tune`` chooses among).
 TIERSWAP_ENGINES = ("direct", "buffered")
 JSON_VERSION = 1
-
-
-def short_size(nbytes: int) -> str:
-    """``8 MiB``, ``512 KiB``, ``1.5 MiB``: block sizes as people write them."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
 
 
 @dataclasses.dataclass
@@ -42,6 +33,7 @@ class Result:
     setting: Setting
     samples: list[Sample] = dataclasses.field(default_factory=list)
     note: str = ""
+    skipped: str = ""
 
     @property
     def write(self) -> Stats:
@@ -89,6 +81,11 @@ class BenchReport:
             "fio": self._result_json(self.fio) if self.fio and self.fio.samples else None,
             "fio_note": self.fio_note,
             "results": [self._result_json(r) for r in self.results if r.samples],
+            "skipped": [
+                {**dataclasses.asdict(r.setting), "reason": r.skipped}
+                for r in self.results
+                if r.skipped
+            ],
         }
 
     def _result_json(self, result: Result) -> dict[str, Any]:
@@ -156,6 +153,13 @@ def print_table(report: BenchReport, stream: TextIO) -> None:
     for row in report.rows():
         table.add_row(*row)
     Console(file=stream, width=max(100, len(report.caption()) // 2 + 10)).print(table)
+    _print_skipped(report, stream)
+
+
+def _print_skipped(report: BenchReport, stream: TextIO) -> None:
+    for result in report.results:
+        if result.skipped:
+            print(f"skipped {result.setting.label}: {result.skipped}", file=stream)
 
 
 def _print_plain(report: BenchReport, stream: TextIO) -> None:

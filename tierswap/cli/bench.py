@@ -166,13 +166,25 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
 
 
 def _trial(result: Result, engine: Engine, root: Path, args: argparse.Namespace) -> str:
-    """One trial of ``engine`` appended to ``result``; returns the cache-drop method used."""
-    sample, method = run_trial(engine, root, args.drop_cache)
+    """One trial of ``engine`` appended to ``result``; returns the cache-drop method used.
+
+    An engine that cannot run here (fio failing, O_DIRECT refused) marks ``result`` skipped
+    instead of ending the benchmark; every other error propagates.
+    """
+    if result.skipped:
+        return ""
+    try:
+        sample, method = run_trial(engine, root, args.drop_cache)
+    except BenchmarkError as exc:
+        result.skipped = str(exc)
+        return ""
     result.samples.append(sample)
     return method
 
 
 def _describe(result: Result) -> str:
+    if result.skipped or not result.samples:
+        return f"{result.setting.label}: skipped"
     last = result.samples[-1]
     rates = f"write {last.write_bps / GB:.2f}, read {last.read_bps / GB:.2f} GB/s"
     return f"{result.setting.label}: {rates}"
@@ -191,22 +203,21 @@ def _measure(args: argparse.Namespace, report: BenchReport, fio: FioEngine | Non
     src = random_source(args.size)
     dst = aligned_empty((args.size,), torch.uint8, pin=False)
     engines = [_make_engine(r.setting, src, dst) for r in report.results]
-    total = args.repeat * (len(engines) + (fio is not None))
+    pairs: list[tuple[Result, Engine]] = list(zip(report.results, engines, strict=True))
+    if fio is not None and report.fio is not None:
+        pairs.append((report.fio, fio))
+    total = args.repeat * len(pairs)
     methods: set[str] = set()
     with bench_folder(args.dir) as root, _progress(total, sys.stderr.isatty()) as done:
         for _ in range(args.repeat):
-            for result, engine in zip(report.results, engines, strict=True):
+            for result, engine in pairs:
                 methods.add(_trial(result, engine, root, args))
                 done(_describe(result))
-            if fio is not None and report.fio is not None:
-                try:
-                    methods.add(_trial(report.fio, fio, root, args))
-                    done(_describe(report.fio))
-                except BenchmarkError as exc:
-                    report.fio, report.fio_note = None, f"failed: {exc}"
     for result, engine in zip(report.results, engines, strict=True):
         result.note = _store_note(result.setting, engine)
-    report.cache_drop = " + ".join(sorted(methods))
+    report.cache_drop = " + ".join(sorted(methods - {""})) or "-"
+    if report.fio is not None and report.fio.skipped:
+        report.fio, report.fio_note = None, f"failed: {report.fio.skipped}"
 
 
 def _fio(args: argparse.Namespace) -> tuple[FioEngine | None, Result | None, str]:
