@@ -42,6 +42,20 @@ def disk_usage(folder: Path) -> int:
     return total
 
 
+def _stored_durable(folder: Path, fallback: bool) -> bool:
+    """The durable flag the writer recorded in the root group's attributes.
+
+    A reader's ``store.durable`` is the flag it was opened with; the store's own choice is kept
+    under ``attributes.tierswap.durable`` of the root ``zarr.json``.
+    """
+    try:
+        attrs = json.loads((folder / "zarr.json").read_text())["attributes"]["tierswap"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return fallback
+    flag = attrs.get("durable") if isinstance(attrs, dict) else None
+    return flag if isinstance(flag, bool) else fallback
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -54,7 +68,7 @@ def collect(folder: Path) -> dict[str, Any]:
         arrays = [store.info(key) for key in sorted(store.keys())]
         described = {
             "path": str(store.path),
-            "durable": store.durable,
+            "durable": _stored_durable(folder, store.durable),
             "generation": store.generation,
             "meta": store.meta,
         }
