@@ -55,7 +55,8 @@ def parse_size(value: Size, *, name: str = "size") -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ConfigError(
-                f"{name}={value!r} does not parse as a size; use bytes or e.g. '512MiB', '4GiB', '2GB'"
+                f"{name}={value!r} does not parse as a size; "
+                "use bytes or e.g. '512MiB', '4GiB', '2GB'"
             )
         return int(float(match.group(1)) * _UNITS[unit])
     raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; pass an int or a str")
@@ -121,7 +122,9 @@ class IOConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
-            raise ConfigError(f"unknown IOConfig fields {unknown}; expected a subset of {sorted(fields)}")
+            raise ConfigError(
+                f"unknown IOConfig fields {unknown}; expected a subset of {sorted(fields)}"
+            )
         return cls(**data)
 
     @classmethod

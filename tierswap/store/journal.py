@@ -1,0 +1,197 @@
+"""Crash-safe commits: staged files, a journal as the single commit point, then roll-forward.
+
+A durable commit never overwrites committed bytes before the commit point:
+
+1. new chunk and metadata files are written (and fdatasync'ed) under ``.tierswap/staging/``;
+2. the journal, listing every rename, unlink and rmdir the commit needs, is written to a
+   temporary file, fsync'ed and renamed to ``.tierswap/journal.json``: **the commit point**;
+3. roll-forward renames staged files over their targets, removes superseded files, fsyncs the
+   touched directories and deletes the journal.
+
+Every roll-forward step is idempotent (rename only what is still staged; unlinks never name a
+rename target), so a writer that finds a journal on open simply rolls it forward again. A crash
+before step 2 leaves only staged files, which the next writer discards: the store is at its last
+commit. Each byte is written once per commit, and disk use peaks at old state + new state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tierswap.errors import CorruptionError
+
+__all__ = [
+    "JOURNAL",
+    "apply_in_place",
+    "commit_durable",
+    "STAGING",
+    "CommitPlan",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "read_journal",
+    "roll_forward",
+    "write_journal",
+]
+
+JOURNAL = "journal.json"
+STAGING = "staging"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitPlan:
+    """The file operations that move a store from one generation to the next.
+
+    Paths are relative to the store root. ``unlinks`` and rename targets are disjoint, and
+    ``rmdirs`` are listed deepest first.
+    """
+
+    generation: int
+    moves: tuple[tuple[str, str], ...]
+    unlinks: tuple[str, ...] = ()
+    rmdirs: tuple[str, ...] = ()
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> CommitPlan:
+        raw = json.loads(data)
+        return cls(
+            generation=int(raw["generation"]),
+            moves=tuple((str(a), str(b)) for a, b in raw["moves"]),
+            unlinks=tuple(raw["unlinks"]),
+            rmdirs=tuple(raw["rmdirs"]),
+        )
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (creations, renames, unlinks) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Replace ``path`` with ``data``: write ``*.partial``, fsync, rename; no torn file ever."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if sync:
+                fh.flush()
+                os.fdatasync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    if sync:
+        fsync_dir(path.parent)
+
+
+def write_journal(internal: Path, plan: CommitPlan) -> None:
+    """Write the journal durably. Once this returns, the commit has happened."""
+    atomic_write_bytes(internal / JOURNAL, plan.to_json(), sync=True)
+
+
+def read_journal(internal: Path) -> CommitPlan | None:
+    """The journal of a commit that was not fully rolled forward, if any."""
+    try:
+        data = (internal / JOURNAL).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return CommitPlan.from_json(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(f"commit journal {str(internal / JOURNAL)!r} is damaged") from exc
+
+
+def roll_forward(
+    root: Path,
+    internal: Path,
+    plan: CommitPlan,
+    sync_dirs: Callable[[Iterable[Path]], None],
+) -> None:
+    """Apply ``plan`` (idempotently), make it durable, then drop the journal."""
+    touched: set[Path] = set()
+    for rel in plan.unlinks:
+        path = root / rel
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        touched.add(path.parent)
+    for rel in plan.rmdirs:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            (root / rel).rmdir()
+        touched.add((root / rel).parent)
+    for src_rel, dst_rel in plan.moves:
+        src, dst = root / src_rel, root / dst_rel
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+        touched.add(dst.parent)
+    sync_dirs(sorted(p for p in touched if p.exists()))
+    (internal / JOURNAL).unlink()
+    fsync_dir(internal)
+
+
+def commit_durable(
+    root: Path,
+    staging: Path,
+    plan: CommitPlan,
+    documents: list[tuple[str, bytes]],
+    *,
+    run_parallel: Callable[[Callable[..., None], list[tuple[Path, bytes]]], None],
+    sync_dirs: Callable[[Iterable[Path]], None],
+) -> None:
+    """Stage ``documents`` (final relpath, bytes), pass the commit point, roll forward.
+
+    ``plan.moves`` holds the chunk moves; the documents' moves are added here. If anything fails
+    before the commit point, the staged documents are removed and the store is unchanged.
+    """
+    internal = staging.parent
+    staging.mkdir(exist_ok=True)
+    staged = [
+        (staging / f"m{plan.generation}.{i}.json", dst) for i, (dst, _data) in enumerate(documents)
+    ]
+    moves = plan.moves + tuple((str(src.relative_to(root)), dst) for src, dst in staged)
+    plan = dataclasses.replace(plan, moves=moves)
+    try:
+        writes = [(src, data) for (src, _), (_, data) in zip(staged, documents, strict=True)]
+        run_parallel(_write_synced, writes)
+        fsync_dir(staging)
+        write_journal(internal, plan)  # <- the commit point
+    except BaseException:
+        for src, _dst in staged:
+            with contextlib.suppress(FileNotFoundError):
+                src.unlink()
+        raise
+    roll_forward(root, internal, plan, sync_dirs)
+    with contextlib.suppress(OSError):
+        staging.rmdir()
+
+
+def apply_in_place(root: Path, plan: CommitPlan, documents: list[tuple[str, bytes]]) -> None:
+    """Scratch-mode commit: write documents and remove superseded files, without fsync."""
+    for rel in plan.unlinks:
+        with contextlib.suppress(FileNotFoundError):
+            (root / rel).unlink()
+    for rel in plan.rmdirs:
+        with contextlib.suppress(OSError):
+            (root / rel).rmdir()
+    for rel, data in documents:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(root / rel, data, sync=False)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fdatasync(fh.fileno())

@@ -1,0 +1,608 @@
+"""SwapStore: the NVMe tier on its own, a crash-safe zarr v3 group of tensors.
+
+Data path: ``put`` splits a tensor into chunk files written in parallel by the I/O engine;
+``get`` reads them back in parallel, checking each chunk's CRC32C. Durable stores stage new chunk
+files and make them visible atomically at ``commit()`` (see :mod:`tierswap.store.journal`);
+scratch stores (``durable=False``) replace chunk files in place and skip every fsync.
+
+Thread safety: all methods may be called from any thread. A put of a key waits for an earlier
+put of the same key; a get of a key waits for its in-flight put; ``commit()`` waits for every
+operation in flight and holds new ones back until it is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from tierswap.config import IOConfig, Size, parse_size, round_up
+from tierswap.errors import (
+    ConfigError,
+    CorruptionError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    ReadOnlyError,
+    StoreClosedError,
+)
+from tierswap.io.buffers import aligned_empty
+from tierswap.io.engine import IOEngine, gather, translate_os_error
+from tierswap.keys import validate_key
+from tierswap.store import journal
+from tierswap.store.folder import StoreFolder
+from tierswap.store.layout import (
+    ArrayInfo,
+    ArrayMeta,
+    chunk_bytes_for,
+    chunk_relpath,
+)
+from tierswap.store.plan import plan_changes
+from tierswap.store.tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
+
+__all__ = ["SwapStore"]
+
+Mode = Literal["r", "a", "w"]
+
+
+@dataclasses.dataclass
+class _Entry:
+    """The current version of one key: its metadata and where its chunk files are."""
+
+    meta: ArrayMeta
+    files: list[Path]
+    staged: bool = False  # chunk files live in staging (durable, not yet committed)
+    dirty: bool = False  # metadata differs from the last commit
+    readers: int = 0
+    retired: bool = False  # superseded; delete staged files when the last reader is done
+
+
+class SwapStore:
+    """A folder of tensors, one zarr v3 array each, with atomic commits.
+
+    Parameters
+    ----------
+    path:
+        The store folder (created for ``mode="a"`` and ``"w"``).
+    mode:
+        ``"a"`` read/write, creating the store if missing; ``"w"`` start empty (wipes an existing
+        store); ``"r"`` read only (no lock: readers may open a store that a writer holds).
+    durable:
+        ``True``: ``commit()`` is atomic and a crash at any instant leaves the last commit.
+        ``False``: scratch store, written in place without fsync; ``close()`` commits metadata.
+    chunk_bytes:
+        Largest chunk file (a multiple of 4 KiB). Small tensors use one page-rounded chunk.
+    io:
+        I/O engine settings; default ``IOConfig.default()`` (``$TIERSWAP_CONFIG`` if set).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: Mode = "a",
+        durable: bool = True,
+        chunk_bytes: Size = "16MiB",
+        io: IOConfig | None = None,
+    ) -> None:
+        if mode not in ("r", "a", "w"):
+            raise ConfigError(f"mode={mode!r} must be 'r', 'a' or 'w'")
+        self.path = Path(path).absolute()
+        self.readonly = mode == "r"
+        self.durable = durable
+        self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 4096")
+        self.io_config = io or IOConfig.default()
+        self._folder = StoreFolder(self.path)
+        self._cv = threading.Condition()
+        self._entries: dict[str, _Entry] = {}
+        self._committed: dict[str, ArrayMeta] = {}
+        self._damaged: dict[str, str] = {}
+        self._purged: set[str] = set()  # damaged keys deleted since the last commit
+        self._pending: dict[str, Future[None]] = {}
+        self._active = 0
+        self._committing = False
+        self._closed = True
+        self._seq = itertools.count()
+        self._counters = dict.fromkeys(("bytes_read", "bytes_written", "reads", "writes"), 0)
+        self._open(mode)
+        self._closed = False
+
+    # ================================================================== opening
+    def _open(self, mode: Mode) -> None:
+        if self.readonly:
+            self._folder.check_readable()
+            self._engine = IOEngine(self.io_config, self.path, writable=False)
+        else:
+            self._folder.open_writer(
+                wipe=mode == "w", durable=self.durable, sync_dirs=self._fsync_dirs
+            )
+            try:
+                self._engine = IOEngine(self.io_config, self._folder.internal, writable=True)
+            except BaseException:
+                self._folder.unlock()
+                raise
+        index = self._folder.load(through_journal=self.readonly)
+        self.generation, self.meta, self._damaged = index.generation, index.meta, index.damaged
+        for key, (meta, files) in index.arrays.items():
+            self._entries[key] = _Entry(meta, files)
+            self._committed[key] = meta
+
+    # ================================================================== guards
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store {str(self.path)!r} is closed; open a new SwapStore")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"store {str(self.path)!r} was opened with mode='r'; use 'a'")
+
+    def _begin(self) -> None:
+        """Count one operation in flight (caller holds ``_cv``); waits out a running commit."""
+        while self._committing:
+            self._cv.wait()
+        self._check_open()
+        self._active += 1
+
+    def _end(self) -> None:
+        with self._cv:
+            self._active -= 1
+            self._cv.notify_all()
+
+    def _wait_pending(self, key: str) -> None:
+        """Wait for an in-flight put of ``key`` (its failure is the putter's to report)."""
+        while True:
+            with self._cv:
+                future = self._pending.get(key)
+            if future is None:
+                return
+            with contextlib.suppress(Exception):
+                future.result()
+
+    def _check_conflict(self, key: str) -> None:
+        """A key cannot be both an array and a group (a prefix of another key)."""
+        names = self._entries.keys() | self._pending.keys()
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in names:
+                raise InvalidKeyError(
+                    f"key {key!r} would nest under the stored key {'/'.join(parts[:i])!r}; "
+                    "delete that key or choose another name"
+                )
+        prefix = key + "/"
+        clash = next((n for n in names if n.startswith(prefix)), None)
+        if clash is not None:
+            raise InvalidKeyError(
+                f"key {key!r} is a group holding {clash!r}; choose another name for the tensor"
+            )
+
+    # ================================================================== writes
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Store ``tensor`` (any dtype, shape, device) under ``key``; visible to reads at once,
+        durable after the next :meth:`commit`."""
+        self.put_async(key, tensor).result()
+
+    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]:
+        """Start storing ``tensor``; do not modify it until the returned future is done."""
+        self._check_writable()
+        validate_key(key)
+        source = as_cpu_contiguous(tensor)
+        self._wait_pending(key)
+        meta = ArrayMeta(
+            key,
+            source.dtype,
+            tuple(source.shape),
+            chunk_bytes_for(
+                source.numel() * source.element_size(), self.chunk_bytes, source.element_size()
+            ),
+        )
+        with self._cv:
+            self._begin()
+            try:
+                self._check_conflict(key)
+            except BaseException:
+                self._active -= 1
+                raise
+            result: Future[None] = Future()
+            self._pending[key] = result
+            seq = next(self._seq)
+        self._submit_put(meta, source, seq, result)
+        return result
+
+    def _submit_put(
+        self, meta: ArrayMeta, source: torch.Tensor, seq: int, result: Future[None]
+    ) -> None:
+        flat = flat_bytes(source)
+        paths = [self._new_chunk_path(meta.key, seq, i) for i in range(meta.nchunks)]
+        futures = []
+        for i, path in enumerate(paths):
+            offset, length = meta.payload(i)
+            piece = flat[offset : offset + length]
+            futures.append(self._engine.submit(self._write_chunk, path, piece, meta.chunk_bytes))
+        done = gather(futures)
+        done.add_done_callback(lambda f: self._finish_put(meta, paths, source, f, result))
+
+    def _new_chunk_path(self, key: str, seq: int, index: int) -> Path:
+        if self.durable:
+            self._folder.staging.mkdir(exist_ok=True)
+            return self._folder.staging / f"{seq}.{index}"
+        final = self.path / chunk_relpath(key, index)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        return final.with_name(f"{index}.{seq}.partial")
+
+    def _write_chunk(self, path: Path, piece: np.ndarray, file_size: int) -> int:
+        try:
+            crc = self._engine.write_file(path, piece, file_size, sync=self.durable)
+        except OSError as exc:
+            raise translate_os_error(exc, f"writing {str(path)!r}") from exc
+        self._count("bytes_written", piece.size, "writes")
+        return crc
+
+    def _finish_put(
+        self,
+        meta: ArrayMeta,
+        paths: list[Path],
+        source: torch.Tensor,
+        done: Future[list[int]],
+        result: Future[None],
+    ) -> None:
+        del source  # kept alive until the writes finished
+        error = done.exception()
+        try:
+            if error is None:
+                self._install(dataclasses.replace(meta, crcs=tuple(done.result())), paths)
+        except OSError as exc:
+            error = translate_os_error(exc, f"installing key {meta.key!r}")
+        if error is not None:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        with self._cv:
+            if self._pending.get(meta.key) is result:
+                del self._pending[meta.key]
+        self._end()
+        if error is None:
+            result.set_result(None)
+        else:
+            result.set_exception(error)
+
+    def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
+        """Make freshly written chunk files the current version of ``meta.key``."""
+        if not self.durable:  # scratch: rename over the old chunks, drop any extra ones
+            finals = [self.path / chunk_relpath(meta.key, i) for i in range(len(paths))]
+            for path, final in zip(paths, finals, strict=True):
+                os.replace(path, final)
+            old = self._entries.get(meta.key)
+            for extra in old.files[len(finals) :] if old else []:
+                with contextlib.suppress(FileNotFoundError):
+                    extra.unlink()
+            paths = finals
+        with self._cv:
+            old = self._entries.get(meta.key)
+            self._entries[meta.key] = _Entry(meta, paths, staged=self.durable, dirty=True)
+        if old is not None and old.staged:
+            self._retire(old)
+
+    def _retire(self, entry: _Entry) -> None:
+        """Delete a superseded entry's staged files once no read uses them."""
+        with self._cv:
+            entry.retired = True
+            if entry.readers:
+                return
+        for path in entry.files:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; the removal is durable after the next :meth:`commit`."""
+        self._check_writable()
+        validate_key(key)
+        self._wait_pending(key)
+        with self._cv:
+            self._check_open()
+            while self._committing:
+                self._cv.wait()
+            entry = self._entries.pop(key, None)
+            damaged = self._damaged.pop(key, None)
+            if damaged is not None:
+                self._purged.add(key)
+            if entry is None and damaged is None:
+                raise KeyNotFoundError(f"key {key!r} is not in store {str(self.path)!r}")
+        if entry is not None and entry.staged:
+            self._retire(entry)
+
+    def _count(self, bytes_name: str, nbytes: int, ops_name: str) -> None:
+        with self._cv:
+            self._counters[bytes_name] += nbytes
+            self._counters[ops_name] += 1
+
+    # ================================================================== reads
+    def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor stored under ``key`` as a CPU tensor (``out`` filled when given)."""
+        return self.get_async(key, out).result()
+
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
+        """Start reading ``key`` into ``out`` (or a new page-aligned tensor)."""
+        self._check_open()
+        validate_key(key)
+        self._wait_pending(key)
+        with self._cv:
+            entry = self._lookup(key)
+            self._begin()
+            entry.readers += 1
+        try:
+            out = prepare_out(entry.meta, out)
+            reads = self._submit_get(entry, out)
+        except BaseException:
+            self._release(entry)
+            raise
+        result: Future[torch.Tensor] = Future()
+
+        def _done(finished: Future[list[None]]) -> None:
+            self._release(entry)
+            error = finished.exception()
+            if error is None:
+                result.set_result(out)
+            else:
+                result.set_exception(error)
+
+        reads.add_done_callback(_done)
+        return result
+
+    def _lookup(self, key: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        if key in self._damaged:
+            raise CorruptionError(f"key {key!r}: {self._damaged[key]}")
+        raise KeyNotFoundError(f"key {key!r} is not in store {str(self.path)!r}")
+
+    def _submit_get(self, entry: _Entry, out: torch.Tensor) -> Future[list[None]]:
+        flat, spare, meta = flat_bytes(out), spare_bytes(out), entry.meta
+        futures = []
+        for i in range(meta.nchunks):
+            offset, length = meta.payload(i)
+            tail = spare if i == meta.nchunks - 1 else 0
+            piece = flat[offset : offset + length]
+            futures.append(self._engine.submit(self._read_chunk, entry, i, piece, tail))
+        return gather(futures)
+
+    def _read_chunk(self, entry: _Entry, index: int, piece: np.ndarray, spare: int) -> None:
+        key, path = entry.meta.key, entry.files[index]
+        try:
+            crc = self._engine.read_file(path, piece, spare)
+        except CorruptionError as exc:
+            raise CorruptionError(f"key {key!r} chunk {index}: {exc}") from exc
+        if crc != entry.meta.crcs[index]:
+            raise CorruptionError(
+                f"key {key!r} chunk {index} ({str(path)!r}) fails its CRC32C check "
+                f"(stored {entry.meta.crcs[index]:08x}, read {crc:08x}); the bytes on disk are "
+                "damaged: restore the store from a copy or delete and rewrite the key"
+            )
+        self._count("bytes_read", piece.size, "reads")
+
+    def _release(self, entry: _Entry) -> None:
+        with self._cv:
+            entry.readers -= 1
+            unlink = entry.retired and entry.readers == 0
+            self._active -= 1
+            self._cv.notify_all()
+        if unlink:
+            for path in entry.files:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    # ================================================================== queries
+    def keys(self) -> list[str]:
+        """Every key currently visible (committed or not), sorted."""
+        self._check_open()
+        with self._cv:
+            return sorted(self._entries.keys() | self._damaged.keys())
+
+    def __contains__(self, key: object) -> bool:
+        with self._cv:
+            return key in self._entries or key in self._damaged or key in self._pending
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def info(self, key: str) -> ArrayInfo:
+        """dtype, shape and sizes of ``key`` without reading its data."""
+        self._check_open()
+        self._wait_pending(validate_key(key))
+        with self._cv:
+            return self._lookup(key).meta.info()
+
+    @property
+    def direct(self) -> bool:
+        """True when the data path uses O_DIRECT."""
+        return self._engine.direct
+
+    @property
+    def executor(self) -> Any:
+        """The store's bounded I/O thread pool."""
+        return self._engine.executor
+
+    def stats(self) -> dict[str, int]:
+        """Bytes and chunk files read and written through this store object."""
+        with self._cv:
+            return dict(self._counters)
+
+    def disk_usage(self) -> int:
+        """Bytes the store's files occupy on disk (allocated blocks)."""
+        return self._folder.disk_usage()
+
+    # ================================================================== commit
+    def commit(self, meta: dict[str, Any] | None = None) -> int:
+        """Make every put and delete so far durable, atomically; return the new generation.
+
+        ``meta`` (JSON-serialisable, e.g. ``{"step": 100}``) is stored with the commit and read
+        back as :attr:`meta`. Waits for operations in flight and holds new ones until done.
+        """
+        self._check_writable()
+        meta = dict(self.meta if meta is None else meta)
+        _check_json(meta)
+        with self._cv:
+            self._committing = True
+            while self._active:
+                self._cv.wait()
+        try:
+            return self._commit_locked(meta)
+        finally:
+            with self._cv:
+                self._committing = False
+                self._cv.notify_all()
+
+    def _commit_locked(self, meta: dict[str, Any]) -> int:
+        generation = self.generation + 1
+        current = {key: entry.meta for key, entry in self._entries.items()}
+        changed = {
+            key: [str(p.relative_to(self.path)) for p in entry.files] if entry.staged else []
+            for key, entry in self._entries.items()
+            if entry.dirty
+        }
+        changes = plan_changes(
+            self._committed,
+            current,
+            changed,
+            generation=generation,
+            meta=meta,
+            durable=self.durable,
+            purged={key: self._folder.files_of(key) for key in self._purged},
+        )
+        plan = journal.CommitPlan(
+            generation, tuple(changes.chunk_moves), tuple(changes.unlinks), tuple(changes.rmdirs)
+        )
+        documents = [(rel, json.dumps(doc).encode()) for rel, doc in changes.documents]
+        try:
+            if self.durable:
+                journal.commit_durable(
+                    self.path,
+                    self._folder.staging,
+                    plan,
+                    documents,
+                    run_parallel=self._run_parallel,
+                    sync_dirs=self._fsync_dirs,
+                )
+            else:
+                journal.apply_in_place(self.path, plan, documents)
+        except OSError as exc:
+            raise translate_os_error(exc, f"committing store {str(self.path)!r}") from exc
+        for key, entry in self._entries.items():
+            if entry.dirty:
+                rels = [chunk_relpath(key, i) for i in range(entry.meta.nchunks)]
+                entry.files = [self.path / r for r in rels]
+                entry.staged = entry.dirty = False
+        self._committed, self.generation, self.meta = current, generation, meta
+        self._purged.clear()
+        return generation
+
+    def _run_parallel(self, fn: Callable[..., object], calls: list[tuple[Any, ...]]) -> None:
+        """Run ``fn(*args)`` for every args tuple, on the I/O pool once it exists."""
+        engine = getattr(self, "_engine", None)
+        if engine is None:  # during recovery, before the pool exists
+            for args in calls:
+                fn(*args)
+            return
+        gather([engine.submit(fn, *args) for args in calls]).result()
+
+    def _fsync_dirs(self, dirs: Iterable[Path]) -> None:
+        self._run_parallel(journal.fsync_dir, [(path,) for path in dirs])
+
+    # ================================================================== integrity
+    def verify(self) -> list[str]:
+        """Check every chunk's CRC32C and every metadata document; list what is damaged."""
+        self._check_open()
+        problems = [f"key {key!r}: {why}" for key, why in sorted(self._damaged.items())]
+        for key in sorted(self._entries):
+            problems += self._verify_key(key)
+        return problems
+
+    def _verify_key(self, key: str) -> list[str]:
+        with self._cv:
+            entry = self._entries.get(key)
+            if entry is None:
+                return []
+            self._begin()
+            entry.readers += 1
+        try:
+            futures = [
+                self._engine.submit(self._verify_chunk, entry, i) for i in range(entry.meta.nchunks)
+            ]
+            return [problem for f in futures if (problem := f.result())]
+        finally:
+            self._release(entry)
+
+    def _verify_chunk(self, entry: _Entry, index: int) -> str | None:
+        _offset, length = entry.meta.payload(index)
+        path = entry.files[index]
+        try:
+            size = path.stat().st_size
+            if size != entry.meta.chunk_bytes:
+                return (
+                    f"key {entry.meta.key!r} chunk {index}: file {str(path)!r} has {size} bytes, "
+                    f"expected {entry.meta.chunk_bytes}"
+                )
+            self._read_chunk(
+                entry,
+                index,
+                aligned_empty((length,), torch.uint8, pin=False).numpy(),
+                round_up(length) - length,
+            )
+        except (CorruptionError, OSError) as exc:
+            return str(exc)
+        return None
+
+    # ================================================================== lifetime
+    def close(self) -> None:
+        """Wait for operations in flight, release the lock. Uncommitted durable changes are
+        discarded; a scratch store commits its metadata first."""
+        if self._closed:
+            return
+        with self._cv:
+            while self._active:
+                self._cv.wait()
+        try:
+            if not self.readonly and not self.durable:
+                self.commit()
+        finally:
+            self._closed = True
+            self._engine.close()
+            if not self.readonly:
+                shutil.rmtree(self._folder.staging, ignore_errors=True)
+            self._folder.unlock()
+
+    def __enter__(self) -> SwapStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "durable" if self.durable else "scratch"
+        state = (
+            "closed" if self._closed else f"{len(self._entries)} keys, generation {self.generation}"
+        )
+        return f"SwapStore({str(self.path)!r}, {kind}, {state})"
+
+
+def _check_json(meta: dict[str, Any]) -> None:
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"commit meta {meta!r} is not JSON-serialisable: {exc}") from exc
