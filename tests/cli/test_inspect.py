@@ -48,10 +48,10 @@ def test_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["inspect", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
     assert "scratch" in text
-    assert 'generation 1, meta {"step": 7}' in text
+    assert 'meta {"step": 7}' in text
     assert "model/w/exp_avg  float32   (100, 300)" in text
     assert "(10,)" in text
-    assert "3 arrays" in text
+    assert "arrays      3 holding 117.21 KiB" in text
 
 
 def test_reader_beside_a_writer_sees_the_last_commit(

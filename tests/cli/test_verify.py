@@ -13,7 +13,7 @@ from tierswap.store import SwapStore
 
 
 @pytest.fixture
-def store_path(tmp_path: Path) -> Path:
+def committed_store(tmp_path: Path) -> Path:
     path = tmp_path / "s"
     with SwapStore(path, chunk_bytes="64KiB") as store:
         store.put("a/weight", torch.randn(100, 300))  # two chunks
@@ -27,17 +27,17 @@ def _chunk_files(store: Path, key: str) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
-def test_intact_store_exits_0(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", str(store_path)]) == 0
+def test_intact_store_exits_0(committed_store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(committed_store)]) == 0
     assert "intact: 2 arrays" in capsys.readouterr().out
 
 
-def test_flipped_byte_is_named(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    chunk = _chunk_files(store_path, "a/weight")[1]
+def test_flipped_byte_is_named(committed_store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chunk = _chunk_files(committed_store, "a/weight")[1]
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0x01
     chunk.write_bytes(data)
-    assert main(["verify", str(store_path)]) == 1
+    assert main(["verify", str(committed_store)]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED" in out
     assert "'a/weight'" in out
@@ -45,10 +45,10 @@ def test_flipped_byte_is_named(store_path: Path, capsys: pytest.CaptureFixture[s
     assert "'b'" not in out
 
 
-def test_truncated_file_is_named(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    chunk = _chunk_files(store_path, "b")[0]
+def test_truncated_file_is_named(committed_store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chunk = _chunk_files(committed_store, "b")[0]
     chunk.write_bytes(chunk.read_bytes()[:1000])
-    assert main(["verify", str(store_path), "--json"]) == 1
+    assert main(["verify", str(committed_store), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["intact"] is False
     assert len(data["problems"]) == 1
@@ -57,10 +57,10 @@ def test_truncated_file_is_named(store_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_damaged_metadata_is_damage_not_usage(
-    store_path: Path, capsys: pytest.CaptureFixture[str]
+    committed_store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (store_path / "zarr.json").write_text("{not json")
-    assert main(["verify", str(store_path)]) == 1
+    (committed_store / "zarr.json").write_text("{not json")
+    assert main(["verify", str(committed_store)]) == 1
     assert "store metadata" in capsys.readouterr().out
 
 

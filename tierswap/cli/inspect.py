@@ -91,12 +91,12 @@ def _rows(arrays: list[dict[str, Any]]) -> list[list[str]]:
 
 def print_text(described: dict[str, Any], stream: Any) -> None:
     """Human-readable summary, then one line per array."""
-    mode = "durable" if described["durable"] else "scratch (durable=False, written in place)"
+    mode = "durable" if described["durable"] else "scratch: durable=False, written in place"
     meta = json.dumps(described["meta"] or {}, sort_keys=True)
     print(f"store       {described['path']} ({mode})", file=stream)
     print(f"commit      generation {described['generation']}, meta {meta}", file=stream)
     print(
-        f"arrays      {len(described['arrays'])}, {format_size(described['nbytes'])} of tensors; "
+        f"arrays      {len(described['arrays'])} holding {format_size(described['nbytes'])}; "
         f"{format_size(described['disk_bytes'])} on disk",
         file=stream,
     )
