@@ -64,7 +64,9 @@ def engines(args: argparse.Namespace, config: IOConfig) -> list[tuple[Result, En
     pairs.append((Result(Setting("dd", min(8 << 20, args.size))), DdEngine(args.size)))
     fio = which("fio")
     if fio is not None:
-        fio_result = Result(Setting("fio", min(8 << 20, args.size)), note="O_DIRECT libaio qd32")
+        fio_result = Result(
+            Setting("fio", min(8 << 20, args.size)), note="O_DIRECT libaio 8 MiB qd32"
+        )
         pairs.append((fio_result, FioEngine(args.size, binary=fio)))
     return pairs
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_drop=" + ".join(sorted(methods)) or "-",
         results=results,
         fio=fio,
-        fio_note="" if fio else "not installed or failed",
+        fio_note=fio.note if fio else "not installed or failed",
     )
     results[0].note = "O_DIRECT" if getattr(pairs[0][1], "direct_used", False) else "buffered"
     print_table(report, sys.stdout)

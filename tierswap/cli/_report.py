@@ -98,13 +98,12 @@ class BenchReport:
         for direction in ("write", "read"):
             stats: Stats = getattr(result, direction)
             samples = [_gbps(getattr(s, f"{direction}_bps")) for s in result.samples]
-            ratio = self.ratio(stats.median, direction)
             entry[direction] = {
                 "median_gbps": _gbps(stats.median),
                 "min_gbps": _gbps(stats.low),
                 "max_gbps": _gbps(stats.high),
                 "samples_gbps": samples,
-                "ratio_to_fio": None if ratio is None else round(ratio, 4),
+                "ratio_to_fio": _round(self.ratio(stats.median, direction)),
             }
         return entry
 
@@ -127,7 +126,7 @@ class BenchReport:
         return row
 
     def caption(self) -> str:
-        fio = "fio: " + (self.fio_note or "O_DIRECT libaio 8 MiB qd32")
+        fio = "fio: " + (self.fio_note or "-")
         return (
             f"{format_size(self.size_bytes)} per trial in {self.directory}, median of "
             f"{self.repeat} (min-max) in GB/s; page cache dropped by {self.cache_drop}; {fio}"
@@ -136,6 +135,10 @@ class BenchReport:
 
 def _gbps(bps: float) -> float:
     return round(bps / GB, 4)
+
+
+def _round(ratio: float | None) -> float | None:
+    return None if ratio is None else round(ratio, 4)
 
 
 HEADERS = ["engine", "block", "threads", "write GB/s", "x fio", "read GB/s", "x fio"]
@@ -208,10 +211,10 @@ def write_tune_file(report: BenchReport, path: str | Path) -> IOConfig:
         "engine": best.setting.engine,
         "dir": report.directory,
         "size_bytes": report.size_bytes,
-        "write_gbps": best.write.median / GB,
-        "read_gbps": best.read.median / GB,
-        "write_ratio_to_fio": report.ratio(best.write.median, "write"),
-        "read_ratio_to_fio": report.ratio(best.read.median, "read"),
+        "write_gbps": _gbps(best.write.median),
+        "read_gbps": _gbps(best.read.median),
+        "write_ratio_to_fio": _round(report.ratio(best.write.median, "write")),
+        "read_ratio_to_fio": _round(report.ratio(best.read.median, "read")),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     config.to_file(path, measured=measured)

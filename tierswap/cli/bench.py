@@ -33,6 +33,7 @@ from tierswap.cli._measure import (
     check_free_space,
     random_source,
     run_trial,
+    short_size,
 )
 from tierswap.cli._plot import plot_report
 from tierswap.cli._report import BenchReport, Result, print_table, write_json, write_tune_file
@@ -226,7 +227,7 @@ def _fio(args: argparse.Namespace) -> tuple[FioEngine | None, Result | None, str
         return None, None, "skipped (--no-fio)" if args.no_fio else "not installed"
     engine = FioEngine(args.size, binary=binary)
     bs = min(engine.block_bytes, args.size // 4096 * 4096)
-    note = f"O_DIRECT libaio qd{engine.iodepth}"
+    note = f"O_DIRECT libaio {short_size(bs)} qd{engine.iodepth}"
     return engine, Result(Setting("fio", bs, None), note=note), note
 
 
