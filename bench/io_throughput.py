@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -89,6 +90,21 @@ def measure(args: argparse.Namespace, pairs: list[tuple[Result, Engine]]) -> set
     return methods
 
 
+def paired_ratios(report: BenchReport) -> str:
+    """Median over repeats of store / fio within the same repeat (robust to slow drift)."""
+    store = report.results[0]
+    if report.fio is None or len(store.samples) != len(report.fio.samples):
+        return ""
+    parts = []
+    for direction in ("write", "read"):
+        key = f"{direction}_bps"
+        pairs = zip(store.samples, report.fio.samples, strict=True)
+        ratios = [getattr(s, key) / getattr(f, key) for s, f in pairs]
+        listed = " ".join(f"{r:.2f}" for r in ratios)
+        parts.append(f"{direction} {statistics.median(ratios):.2f}x [{listed}]")
+    return "paired per-repeat ratios to fio: " + ", ".join(parts)
+
+
 def verdict(report: BenchReport) -> str:
     store = report.results[0]
     if not store.samples or report.fio is None:
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     results[0].note = "O_DIRECT" if getattr(pairs[0][1], "direct_used", False) else "buffered"
     print_table(report, sys.stdout)
     print(f"store {config}: {verdict(report)}")
+    if paired := paired_ratios(report):
+        print(paired)
     if args.json:
         write_json(report, args.json, sys.stdout)
     return 0
