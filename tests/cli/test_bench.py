@@ -14,6 +14,7 @@ import pytest
 from tierswap.cli import bench, main
 from tierswap.cli._engines import AiofilesEngine
 from tierswap.config import IOConfig
+from tierswap.errors import BenchmarkError
 
 SMALL = ["--size", "4MiB", "--block-size", "1MiB,2MiB", "--threads", "1,2", "--repeat", "2"]
 
@@ -154,3 +155,20 @@ def test_help_explains_every_option() -> None:
     for option in ("--json", "--plot", "--tune", "--drop-cache", "--no-fio"):
         assert option in text
     assert "TIERSWAP_CONFIG" in text
+
+
+@pytest.mark.usefixtures("no_fio")
+def test_an_engine_that_cannot_run_is_skipped_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(self: AiofilesEngine, folder: Path) -> float:
+        raise BenchmarkError("aiofiles cannot run here")
+
+    monkeypatch.setattr(AiofilesEngine, "write", refuse)
+    out = tmp_path / "r.json"
+    args = ["--engine", "aiofiles,buffered", "--threads", "1", "--repeat", "1", "--json", str(out)]
+    assert _bench(tmp_path, *args) == 0
+    assert "skipped aiofiles 1 MiB x1: aiofiles cannot run here" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {r["engine"] for r in data["results"]} == {"buffered"}
+    assert [s["reason"] for s in data["skipped"]] == ["aiofiles cannot run here"] * 2

@@ -12,16 +12,19 @@ import pytest
 import torch
 import zarr
 
+from tierswap.cli import _engines
 from tierswap.cli._engines import (
     AiofilesEngine,
     DdEngine,
     FioEngine,
+    StoreEngine,
     ZarrEngine,
     _segments,
     parse_fio_json,
 )
 from tierswap.cli._measure import random_source
-from tierswap.errors import BenchmarkError
+from tierswap.config import IOConfig
+from tierswap.errors import BenchmarkError, ConfigError
 from tierswap.io.buffers import aligned_empty
 
 SIZE = (3 << 20) + 12345  # not a whole number of blocks: the tail must survive
@@ -144,3 +147,28 @@ def test_dd_moves_whole_blocks(tmp_path: Path) -> None:
     assert engine.read(tmp_path) > 0
     with pytest.raises(BenchmarkError, match="below one 4096-byte block"):
         DdEngine(100).write(tmp_path)
+
+
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_store_engine_round_trip(tmp_path: Path, src: torch.Tensor, direct: str) -> None:
+    dst = _dst()
+    engine = StoreEngine(src, dst, IOConfig(block_bytes=1 << 20, threads=2, direct=direct))
+    try:
+        assert engine.write(tmp_path) > 0
+    except BenchmarkError:
+        pytest.skip("the test folder's filesystem refuses O_DIRECT")
+    assert engine.direct_used is (direct == "on")
+    assert engine.read(tmp_path) > 0
+    assert torch.equal(dst, src)
+
+
+def test_store_engine_turns_a_refused_o_direct_into_a_skip(
+    tmp_path: Path, src: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise ConfigError("direct='on' but the filesystem rejects O_DIRECT")
+
+    monkeypatch.setattr(_engines, "SwapStore", refuse)
+    engine = StoreEngine(src, _dst(), IOConfig(direct="on"))
+    with pytest.raises(BenchmarkError, match="rejects O_DIRECT"):
+        engine.write(tmp_path)
