@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 _KEY = "bench/tensor"
+DEFAULT_CHUNK = 16 << 20
 _FILE = "data.bin"
 #: fio's settings for the reference figure (what the issue and docs compare against).
 FIO_BLOCK = 8 << 20
@@ -67,9 +68,17 @@ class StoreEngine:
     io: IOConfig
     direct_used: bool | None = None
 
+    @property
+    def chunk_bytes(self) -> int:
+        """The store's default chunk size, or one block when blocks are larger (a request never
+        spans two chunk files, so a smaller chunk would cap the block size)."""
+        return max(DEFAULT_CHUNK, self.io.block_bytes)
+
     def write(self, folder: Path) -> float:
         try:
-            store = SwapStore(folder / "store", mode="w", durable=True, io=self.io)
+            store = SwapStore(
+                folder / "store", mode="w", durable=True, io=self.io, chunk_bytes=self.chunk_bytes
+            )
         except ConfigError as exc:  # direct="on" on a filesystem that refuses O_DIRECT
             raise BenchmarkError(str(exc)) from exc
         try:
