@@ -172,3 +172,9 @@ def test_store_engine_turns_a_refused_o_direct_into_a_skip(
     engine = StoreEngine(src, _dst(), IOConfig(direct="on"))
     with pytest.raises(BenchmarkError, match="rejects O_DIRECT"):
         engine.write(tmp_path)
+
+
+def test_store_chunks_hold_at_least_one_block(src: torch.Tensor) -> None:
+    small = StoreEngine(src, src, IOConfig(block_bytes=1 << 20))
+    big = StoreEngine(src, src, IOConfig(block_bytes=32 << 20))
+    assert (small.chunk_bytes, big.chunk_bytes) == (16 << 20, 32 << 20)
