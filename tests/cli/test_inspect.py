@@ -33,6 +33,7 @@ def test_json_lists_arrays_commit_and_disk_use(
     data = _inspect_json(tmp_path / "s", capsys)
     assert data["generation"] == 1
     assert data["meta"] == {"step": 7}
+    assert data["step"] == 7
     assert data["durable"] is True
     assert data["arrays"] == [
         {"key": "model/b", "dtype": "bfloat16", "shape": [10], "nbytes": 20},
@@ -48,7 +49,7 @@ def test_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["inspect", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
     assert "scratch" in text
-    assert 'meta {"step": 7}' in text
+    assert 'step 7, meta {"step": 7}' in text
     assert "model/w/exp_avg  float32   (100, 300)" in text
     assert "(10,)" in text
     assert "arrays      3 holding 117.21 KiB" in text

@@ -72,6 +72,8 @@ def collect(folder: Path) -> dict[str, Any]:
             "generation": store.generation,
             "meta": store.meta,
         }
+    meta = described["meta"] if isinstance(described["meta"], dict) else {}
+    described["step"] = meta.get("step")
     described["arrays"] = [
         {"key": a.key, "dtype": _dtype_name(a.dtype), "shape": list(a.shape), "nbytes": a.nbytes}
         for a in arrays
@@ -93,8 +95,9 @@ def print_text(described: dict[str, Any], stream: Any) -> None:
     """Human-readable summary, then one line per array."""
     mode = "durable" if described["durable"] else "scratch: durable=False, written in place"
     meta = json.dumps(described["meta"] or {}, sort_keys=True)
+    step = "" if described["step"] is None else f", step {described['step']}"
     print(f"store       {described['path']} ({mode})", file=stream)
-    print(f"commit      generation {described['generation']}, meta {meta}", file=stream)
+    print(f"commit      generation {described['generation']}{step}, meta {meta}", file=stream)
     print(
         f"arrays      {len(described['arrays'])} holding {format_size(described['nbytes'])}; "
         f"{format_size(described['disk_bytes'])} on disk",
