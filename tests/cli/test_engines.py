@@ -85,6 +85,7 @@ FIO_SAMPLE = {
 
 def test_parse_fio_json_skips_leading_warnings() -> None:
     text = "fio: note: both iodepth >= 1 and synchronous I/O engine\n" + json.dumps(FIO_SAMPLE)
+    text += "\nfio: file hash not empty on exit\n"
     assert parse_fio_json(text, "write") == 1.6e9
     with pytest.raises(BenchmarkError, match="moved no bytes"):
         parse_fio_json(text, "read")

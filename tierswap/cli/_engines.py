@@ -221,15 +221,15 @@ def _check_run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 def parse_fio_json(text: str, rw: str) -> float:
     """Bytes per second of the first job's ``rw`` ("read" or "write") in fio's JSON output.
 
-    fio may print warnings before the JSON object; they are skipped.
+    fio may print warnings around the JSON object; they are skipped.
     """
     start = text.find("{")
-    try:
-        job = json.loads(text[start:])["jobs"][0] if start >= 0 else None
-    except (ValueError, KeyError, IndexError) as exc:
-        raise BenchmarkError(f"fio printed no job results as JSON: {text[:200]!r}") from exc
-    if job is None:
+    if start < 0:
         raise BenchmarkError(f"fio printed no JSON: {text[:200]!r}")
+    try:  # raw_decode: fio may also print lines after the object
+        job = json.JSONDecoder().raw_decode(text, start)[0]["jobs"][0]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchmarkError(f"fio printed no job results as JSON: {text[:200]!r}") from exc
     if job.get("error"):
         raise BenchmarkError(f"fio reported error {job['error']} for {rw}")
     rate = float(job[rw]["bw_bytes"])
