@@ -172,3 +172,20 @@ def test_an_engine_that_cannot_run_is_skipped_not_fatal(
     data = json.loads(out.read_text())
     assert {r["engine"] for r in data["results"]} == {"buffered"}
     assert [s["reason"] for s in data["skipped"]] == ["aiofiles cannot run here"] * 2
+
+
+def test_a_failing_fio_leaves_the_rest_of_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "fio"
+    fake.write_text("#!/bin/sh\necho 'fio: engine libaio not loadable' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench, "which", lambda _tool: str(fake))
+    out = tmp_path / "r.json"
+    narrow = ["--engine", "buffered", "--block-size", "1MiB", "--threads", "1", "--repeat", "2"]
+    assert _bench(tmp_path, *narrow, "--json", str(out)) == 0
+    data = json.loads(out.read_text())
+    assert data["fio"] is None
+    assert data["fio_note"].startswith("failed: ")
+    assert "libaio not loadable" in data["fio_note"]
+    assert len(data["results"][0]["write"]["samples_gbps"]) == 2
