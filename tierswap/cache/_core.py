@@ -347,12 +347,15 @@ class CacheCore:
 
     # -------------------------------------------------------------- plumbing
     def _wait(self, timeout: float | None = None) -> None:
-        """Under the lock: run queued launches (lock released), or wait for a state change."""
+        """Under the lock: run queued launches (lock released), or wait for a state change.
+
+        Time spent here by a caller (not the pump thread) counts as stall.
+        """
+        start = time.perf_counter()
         if self._launches:
             self._run_launches()
-            return
-        start = time.perf_counter()
-        self._cv.wait(timeout)
+        else:
+            self._cv.wait(timeout)
         if threading.current_thread() is not self._pump:
             self._stall += time.perf_counter() - start
 
