@@ -364,7 +364,7 @@ class TierCache(CacheCore):
         meta = self._meta[key]
         host = self._tiers["host"]
         tier: TierName = "host" if meta.footprint <= host.budget else target
-        if not self._reserve(tier, meta.footprint, incoming=None, wait=True):
+        if not self._reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
         entry = self._new_loading(key, meta, tier)
         entry.claims += 1
@@ -385,13 +385,13 @@ class TierCache(CacheCore):
         """
         entry.claims += 1  # demoting victims into our tier must not evict the entry itself
         try:
-            ok = self._reserve(target, entry.size, incoming=entry.key if prefetch else None)
+            ok = self._reserve(target, entry.size, entry.key, prefetch=prefetch)
         finally:
             entry.claims -= 1
         if ok:
             self._relocate(entry, target)
         elif not prefetch:
-            self._wait_for_room(self._tiers[target], entry.size)
+            self._wait_for_room(self._tiers[target], entry.size, entry.key)
         return ok
 
     def _relocate(self, entry: Entry, target: TierName) -> None:
@@ -425,7 +425,7 @@ class TierCache(CacheCore):
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
             if entry is not None:
                 self._discard(entry)
-            if not self._reserve(target, meta.footprint, incoming=None, wait=True):
+            if not self._reserve(target, meta.footprint, key, prefetch=False, wait=True):
                 self._settle_key(key, allow_pinned=True)
                 continue
             t = self._tiers[target]
