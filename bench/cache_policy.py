@@ -159,7 +159,9 @@ def _report(results: dict, belady_read: float, ram: float, bandwidth: tuple | No
     if bandwidth:
         print(f"fio: read {bandwidth[0] / 1e9:.2f} GB/s, write {bandwidth[1] / 1e9:.2f} GB/s")
     print(f"in RAM: {ram * 1e3:.1f} ms/cycle; Belady reads {belady_read / mib:.1f} MiB/cycle")
-    head = "policy        read MiB  x Belady  write MiB  ms/cycle  stall ms  x RAM   x I/O bound"
+    head = (
+        "policy        read MiB  x Belady  write MiB  ms/cycle  stall ms  x RAM   x max(RAM, I/O)"
+    )
     print(head)
     for name, r in results.items():
         bound = r["read"] / bandwidth[0] + r["written"] / bandwidth[1] if bandwidth else 0.0
