@@ -195,7 +195,7 @@ class TierCache(CacheCore):
         with self._cv:
             self._check_open()
             cached = self._settle_key(key, allow_pinned=False)
-            self._explicit = [item for item in self._explicit if item[0] != key]
+            self._drop_queued(key)
             self.policy.forget(key)
             self._meta.pop(key, None)
         try:
@@ -257,6 +257,7 @@ class TierCache(CacheCore):
                 self._closed = True
                 for t in self._tiers.values():
                     t.entries.clear()
+                    t.earmarks.clear()
                     t.used = 0
                 self._cv.notify_all()
             self._pump.join()
@@ -341,9 +342,7 @@ class TierCache(CacheCore):
                 elif entry.tier == target:
                     return entry
                 elif entry.pins:
-                    raise PinnedError(
-                        f"{key!r} is pinned in the {entry.tier} tier; it cannot move to {target}"
-                    )
+                    self._wait_for_unpin(entry, target)
                 elif entry.state == READY and not entry.claims:
                     self._move(entry, target, prefetch=False)
                 else:
@@ -351,6 +350,20 @@ class TierCache(CacheCore):
         finally:
             if owned is not None:
                 owned.claims -= 1
+
+    def _wait_for_unpin(self, entry: Entry, target: TierName) -> None:
+        """One wait for other threads to unpin ``entry``; raise if only blocked ones pin it."""
+        me = threading.get_ident()
+        if not set(entry.pinners) - self._blocked - {me}:
+            raise PinnedError(
+                f"{entry.key!r} is pinned in the {entry.tier} tier; it cannot move to {target} "
+                "until unpinned"
+            )
+        self._blocked.add(me)
+        try:
+            self._wait(0.05)
+        finally:
+            self._blocked.discard(me)
 
     def _start_load(self, key: str, target: TierName) -> Entry | None:
         """Reserve bytes and queue a read of ``key`` from the store (a demand miss).
