@@ -39,6 +39,8 @@ from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 # Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
 # waiting for write-backs it started; cannot get room yet.
 _DONE, _PENDING, _WAITING, _BLOCKED = "done", "pending", "waiting", "blocked"
+# Read-ahead looks at most this many scheduled items (or a tier's worth of bytes) per access.
+_MAX_AHEAD = 256
 
 
 class CacheCore:
@@ -225,7 +227,7 @@ class CacheCore:
         budget: int = 0,
     ) -> list[tuple[str, TierName]]:
         kept: list[tuple[str, TierName]] = []
-        seen = 0
+        seen = looked = 0
         items = itertools.chain(queue, more) if more is not None else iter(queue)
         for item in items:
             outcome = self._try_prefetch(*item)
@@ -238,7 +240,8 @@ class CacheCore:
                 break
             meta = self._meta.get(item[0])
             seen += meta.footprint if meta else 0
-            if more is not None and seen > budget:
+            looked += 1
+            if more is not None and (seen > budget or looked >= _MAX_AHEAD):
                 break
         return kept
 
