@@ -260,6 +260,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._inner.param_groups = self._groups_for(live, targets)
             try:
                 self._inner.step()
+                if self.compute_device.type == "cuda":
+                    # Sync point: the step's kernels must finish before the tensors are
+                    # unpinned, since the cache may then copy them down on its own stream.
+                    torch.cuda.current_stream(self.compute_device).synchronize()
             finally:
                 self._inner.param_groups = self._inner_groups
                 self._inner.state = defaultdict(dict)
@@ -305,7 +309,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if slot.has_master:
             target.grad = None
             self._backend.mark_dirty(slot.master_key)
-            slot.param.copy_(target, non_blocking=True)
+            slot.param.copy_(target)  # blocking: the master may be evicted right after
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
