@@ -16,16 +16,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff format --check tierswap tests bench examples
-	$(BIN)/ruff check tierswap tests bench examples
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not slow" -q
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py --swap-dir $(SWAP_DIR)
+	$(BIN)/python examples/swap_api.py --swap-dir $(SWAP_DIR)
 
 lint:
-	$(BIN)/ruff format tierswap tests bench examples
-	$(BIN)/ruff check --fix tierswap tests bench examples
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
 	$(BIN)/python bench/io_throughput.py

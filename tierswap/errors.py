@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "BenchmarkError",
     "BudgetError",
     "ConfigError",
     "CorruptionError",
@@ -80,3 +81,7 @@ class ReadOnlyError(TierswapError, PermissionError):
 
 class StoreClosedError(TierswapError, RuntimeError):
     """The store or cache was used after ``close()``."""
+
+
+class BenchmarkError(TierswapError, RuntimeError):
+    """A benchmark engine or baseline tool (fio, dd) failed on the benchmark folder."""

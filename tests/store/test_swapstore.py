@@ -352,6 +352,8 @@ def test_scratch_store_writes_in_place(store_path: Path) -> None:
         assert torch.equal(store.get("x"), torch.arange(10.0))
         root = json.loads((store_path / "zarr.json").read_text())
         assert root["attributes"]["tierswap"]["durable"] is False
+    with ts.SwapStore(store_path, mode="r") as reader:
+        assert reader.durable is False
 
 
 def test_mode_w_wipes_and_refuses_foreign_folders(tmp_path: Path, store_path: Path) -> None:

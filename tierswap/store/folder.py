@@ -41,6 +41,7 @@ class Index:
     meta: dict[str, Any]
     arrays: dict[str, tuple[ArrayMeta, list[Path]]]  # key -> (metadata, chunk file paths)
     damaged: dict[str, str]  # key -> why its metadata cannot be read
+    durable: bool = True  # the mode of the writer that made the last commit
 
 
 class StoreFolder:
@@ -132,8 +133,8 @@ class StoreFolder:
         if plan is not None:
             redirect = {d: self.root / s for s, d in plan.moves if (self.root / s).exists()}
             removed = set(plan.unlinks)
-        generation, meta, _ = parse_root_document(self._read_doc("zarr.json", redirect))
-        index = Index(generation, meta, {}, {})
+        generation, meta, durable = parse_root_document(self._read_doc("zarr.json", redirect))
+        index = Index(generation, meta, {}, {}, durable)
         for rel in sorted(self._metadata_files(redirect) - removed):
             self._load_array(index, rel, redirect)
         return index

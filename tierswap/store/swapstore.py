@@ -135,6 +135,8 @@ class SwapStore:
                 raise
         index = self._folder.load(through_journal=self.readonly)
         self.generation, self.meta, self._damaged = index.generation, index.meta, index.damaged
+        if self.readonly:  # a reader reports how the store was written
+            self.durable = index.durable
         for key, (meta, files) in index.arrays.items():
             self._entries[key] = _Entry(meta, files)
             self._committed[key] = meta

@@ -1,0 +1,154 @@
+"""Commit planning and crash recovery at every step of a commit, deterministically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierswap as ts
+from tierswap.store import journal
+from tierswap.store.layout import ArrayMeta
+from tierswap.store.plan import plan_changes
+
+
+def _meta(key: str, nbytes: int) -> ArrayMeta:
+    return ArrayMeta(key, torch.uint8, (nbytes,), 4096, (0,) * (-(-nbytes // 4096)))
+
+
+def test_plan_changes_groups_and_disjoint_unlinks() -> None:
+    committed = {"a/b": _meta("a/b", 3 * 4096), "x": _meta("x", 10)}
+    current = {"a": _meta("a", 4096), "x": _meta("x", 10)}
+    changes = plan_changes(committed, current, {"a": ["s/0"]}, generation=2, meta={}, durable=True)
+    docs = dict(changes.documents)
+    assert docs["a/zarr.json"]["node_type"] == "array"
+    assert docs["zarr.json"]["attributes"]["tierswap"]["generation"] == 2
+    assert changes.chunk_moves == [("s/0", "a/c/0")]
+    # the old group's a/zarr.json is a rename target now, so it must not be unlinked
+    assert "a/zarr.json" not in changes.unlinks
+    assert {"a/b/c/0", "a/b/c/1", "a/b/c/2", "a/b/zarr.json"} <= set(changes.unlinks)
+    assert changes.rmdirs[:2] == ["a/b/c", "a/b"]
+
+
+def test_plan_shrinking_array_unlinks_extra_chunks() -> None:
+    committed = {"k": _meta("k", 3 * 4096)}
+    current = {"k": _meta("k", 4096)}
+    changes = plan_changes(committed, current, {"k": ["s/0"]}, generation=1, meta={}, durable=True)
+    assert changes.unlinks == ["k/c/1", "k/c/2"]
+
+
+class _CrashError(Exception):
+    pass
+
+
+def _crashing_roll_forward(after: int):
+    """A roll_forward that performs ``after`` renames, then 'loses power'."""
+    real_replace, real_roll_forward = os.replace, journal.roll_forward
+
+    def roll_forward(root, internal, plan, sync_dirs):
+        count = {"n": 0}
+
+        def replace(src, dst):
+            if count["n"] >= after:
+                raise _CrashError
+            count["n"] += 1
+            real_replace(src, dst)
+
+        os.replace = replace
+        try:
+            real_roll_forward(root, internal, plan, sync_dirs)
+        finally:
+            os.replace = real_replace
+
+    return roll_forward
+
+
+def _abandon(store: ts.SwapStore) -> None:
+    """Drop a store object as a killed process would: no cleanup beyond releasing the lock."""
+    store._engine.close()
+    store._folder.unlock()
+    store._closed = True
+
+
+@pytest.mark.parametrize("after", [0, 1, 3, 100])
+def test_crash_after_commit_point_rolls_forward(store_path: Path, monkeypatch, after: int) -> None:
+    old = {"a/x": torch.ones(3000), "gone": torch.zeros(5)}
+    new = {"a/x": torch.arange(10.0), "b": torch.full((9000,), 7.0)}
+    store = ts.SwapStore(store_path, chunk_bytes="4KiB")
+    for key, value in old.items():
+        store.put(key, value)
+    store.commit({"n": 1})
+    store.delete("gone")
+    for key, value in new.items():
+        store.put(key, value)
+    monkeypatch.setattr(journal, "roll_forward", _crashing_roll_forward(after), raising=True)
+    if after < 100:
+        with pytest.raises(_CrashError):
+            store.commit({"n": 2})
+    else:
+        store.commit({"n": 2})
+    monkeypatch.undo()
+    _abandon(store)
+    # A reader opened now already sees the new commit, reading through the journal.
+    with ts.SwapStore(store_path, mode="r") as reader:
+        assert reader.generation == 2
+        assert reader.keys() == sorted(new)
+        for key, value in new.items():
+            assert torch.equal(reader.get(key), value)
+    with ts.SwapStore(store_path) as writer:  # the writer finishes the roll-forward
+        assert writer.meta == {"n": 2}
+        assert writer.keys() == sorted(new)
+        for key, value in new.items():
+            assert torch.equal(writer.get(key), value)
+        assert writer.verify() == []
+    assert not (store_path / ".tierswap" / "journal.json").exists()
+    assert not (store_path / "gone").exists()
+
+
+def test_crash_before_commit_point_keeps_old_state(store_path: Path, monkeypatch) -> None:
+    store = ts.SwapStore(store_path)
+    store.put("x", torch.ones(4))
+    store.commit()
+    store.put("x", torch.zeros(4))
+    store.put("y", torch.zeros(4))
+
+    def crash(*_args, **_kwargs):
+        raise _CrashError
+
+    monkeypatch.setattr(journal, "write_journal", crash)
+    with pytest.raises(_CrashError):
+        store.commit()
+    monkeypatch.undo()
+    _abandon(store)
+    with ts.SwapStore(store_path) as store:
+        assert store.keys() == ["x"]
+        assert torch.equal(store.get("x"), torch.ones(4))
+        assert store.generation == 1
+    assert not (store_path / ".tierswap" / "staging").exists()
+
+
+def test_roll_forward_is_idempotent(tmp_path: Path) -> None:
+    root = tmp_path
+    internal = root / ".tierswap"
+    (internal / "staging").mkdir(parents=True)
+    (internal / "staging" / "1").write_bytes(b"new")
+    (root / "old").write_bytes(b"old")
+    plan = journal.CommitPlan(
+        generation=1, moves=((".tierswap/staging/1", "k/c/0"),), unlinks=("old",), rmdirs=()
+    )
+    for _ in range(2):
+        journal.write_journal(internal, plan)
+        journal.roll_forward(root, internal, plan, lambda dirs: None)
+    assert (root / "k" / "c" / "0").read_bytes() == b"new"
+    assert not (root / "old").exists()
+    assert journal.read_journal(internal) is None
+
+
+def test_damaged_journal_is_reported(tmp_path: Path) -> None:
+    internal = tmp_path / ".tierswap"
+    internal.mkdir()
+    (internal / "journal.json").write_text("{")
+    with pytest.raises(ts.errors.CorruptionError, match="journal"):
+        journal.read_journal(internal)

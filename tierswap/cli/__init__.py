@@ -1,0 +1,55 @@
+"""The ``tierswap`` command line: ``bench`` (measure and tune), ``inspect`` and ``verify``.
+
+``main(argv)`` returns the exit status instead of exiting, so it can be called from Python and
+tests; the ``tierswap`` console script and ``python -m tierswap`` both run it. Exit status: 0 on
+success, 1 when ``verify`` finds damage, 2 for a usage or configuration error, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from tierswap import __version__
+from tierswap.errors import TierswapError
+
+__all__ = ["build_parser", "main"]
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subcommand per module."""
+    from tierswap.cli import bench, inspect, verify
+
+    parser = argparse.ArgumentParser(
+        prog="tierswap",
+        description="Tiered GPU / host / NVMe swap space for PyTorch: disk benchmark and tuner, "
+        "store inspection and verification.",
+    )
+    parser.add_argument("--version", action="version", version=f"tierswap {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (bench, inspect, verify):
+        module.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except TierswapError as exc:
+        print(f"tierswap {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"tierswap {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `tierswap inspect DIR | head`: the reader left, not an error
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
