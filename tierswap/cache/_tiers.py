@@ -7,6 +7,7 @@ every call.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Literal
 
 import torch
@@ -56,13 +57,17 @@ class Entry:
     tensor: torch.Tensor
     state: str = READY
     dirty: bool = False
-    pins: int = 0  # pinned() holders
+    pinners: Counter[int] = dataclasses.field(default_factory=Counter)  # thread id -> pins
     claims: int = 0  # transient holds by the cache itself (a get returning it, a move)
     error: BaseException | None = None
 
     @property
     def size(self) -> int:
         return self.meta.footprint
+
+    @property
+    def pins(self) -> int:
+        return sum(self.pinners.values())
 
     @property
     def held(self) -> bool:
@@ -84,6 +89,7 @@ class Tier:
         self.budget = budget
         self.used = 0  # resident + loading + writing back; never above budget
         self.writing = 0  # part of `used` that write-backs in flight will free
+        self.demand_waiting = 0  # callers blocked until bytes free up here (they go first)
         self.entries: dict[str, Entry] = {}
         self.hits = 0
         self.misses = 0
@@ -98,6 +104,10 @@ class Tier:
 
     def pinned_bytes(self) -> int:
         return sum(e.size for e in self.entries.values() if e.pins)
+
+    def pin_holders(self) -> set[int]:
+        """Ids of the threads holding pins in this tier."""
+        return {tid for e in self.entries.values() for tid in e.pinners}
 
     def unsettled(self) -> bool:
         """True while some state change in flight may later free or unblock bytes here."""

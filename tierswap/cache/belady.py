@@ -35,11 +35,13 @@ def simulate(
     *,
     cycles: int,
     policy: Literal["belady", "lru"] = "belady",
+    resident: Sequence[str] = (),
 ) -> list[CycleReads]:
-    """Replay ``cycles`` repetitions of ``schedule`` on an empty tier of ``budget`` bytes.
+    """Replay ``cycles`` repetitions of ``schedule`` on a tier of ``budget`` bytes.
 
-    Items larger than ``budget`` are never cached (read at every use). Returns one
-    :class:`CycleReads` per cycle.
+    The tier starts empty, or holding ``resident`` (least recently used first). Items larger
+    than ``budget`` are never cached (read at every use). Returns one :class:`CycleReads` per
+    cycle.
     """
     if cycles < 0 or budget < 0:
         raise ConfigError(f"cycles={cycles} and budget={budget} must be >= 0")
@@ -50,15 +52,16 @@ def simulate(
         raise ConfigError(f"policy={policy!r} must be 'belady' or 'lru'")
     step = _belady_step if policy == "belady" else _lru_step
     gaps = _next_use_gaps(schedule)
-    resident: OrderedDict[str, float] = OrderedDict()  # key -> next use time (belady) or touch
+    first_use = {k: i for i, k in reversed(list(enumerate(schedule)))}
+    held: OrderedDict[str, float] = OrderedDict()  # key -> next use time (belady) or touch
+    for n, key in enumerate(resident):
+        held[key] = first_use.get(key, float("inf")) if policy == "belady" else n - len(resident)
     out = []
     for cycle in range(cycles):
         reads = nbytes = 0
         for i, key in enumerate(schedule):
             now = cycle * len(schedule) + i
-            missed = step(
-                resident, key, sizes=sizes, budget=budget, now=now, next_use=now + gaps[i]
-            )
+            missed = step(held, key, sizes=sizes, budget=budget, now=now, next_use=now + gaps[i])
             reads += missed
             nbytes += sizes[key] if missed else 0
         out.append(CycleReads(reads, nbytes))
