@@ -123,7 +123,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             tier=self.tier,
             host_budget=self.host_budget,
             device_budget=config.device_budget,
-            policy=config.policy,
+            policy=self._policy(),
             durable=config.durable,
             resume=config.resume,
         )
@@ -171,6 +171,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             check_budget(self._partitions, self._config.device_budget, "device_budget")
         self._slot_partition = {s.index: p for p in self._partitions for s in p.slots}
         self._slot_of = {id(s.param): s for s in self._slots}
+
+    def _policy(self) -> Any:
+        """The cache policy; when all state fits, eviction never happens and plain LRU (the
+        cheapest bookkeeping) stands in for the default lookahead."""
+        fits = sum(s.working_set for s in self._slots) <= self._tier_budget()
+        return "lru" if fits and self._config.policy == "lookahead" else self._config.policy
 
     def _start(self, resume: bool) -> None:
         meta = self._backend.committed_meta() if resume else None
