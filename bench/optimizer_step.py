@@ -2,10 +2,10 @@
 
     python bench/optimizer_step.py --params 100M --dir /nvme/bench [--json out.json]
 
-Three runs, each in its own process so peak RSS is its own:
-  memory : torch.optim.AdamW(fused=True), state in RAM             -> baseline (a)
-  ram    : SwapOptimizer, host budget = the whole state           -> throughput vs (a)
-  swap   : SwapOptimizer, host budget = state / 8, state on disk  -> step vs max(a, b)
+Two runs, each in its own process so peak RSS is its own:
+  ram  : torch.optim.AdamW(fused=True) in memory (baseline (a)) and SwapOptimizer with the whole
+         state in RAM, steps interleaved so machine load hits both alike -> throughput vs (a)
+  swap : SwapOptimizer, host budget = state / 8, state on disk           -> step vs max(a, b)
 (b) is the I/O bound: state bytes read plus written per step divided by fio's sequential
 O_DIRECT bandwidth on the same folder. Targets (issue 4): swap <= 1.15 x max(a, b); peak RSS of
 swap <= params + grads + budget + 10%; ram throughput >= 0.95 x (a).
@@ -54,32 +54,67 @@ def _time_steps(opt: torch.optim.Optimizer, steps: int) -> list[float]:
     return times
 
 
-def run_child(args: argparse.Namespace) -> dict:
-    """One mode, in this process; prints a JSON line with its timings and peak RSS."""
+def _run_ram(args: argparse.Namespace) -> dict:
+    """Fused AdamW in memory and SwapOptimizer with all state in RAM, steps interleaved.
+
+    Interleaving keeps the ratio honest on a machine whose load changes over time; both end
+    with bit-identical parameters, which is checked.
+    """
+    import tierswap as ts
+
+    plain_params, swap_params = (
+        _params(args.params, args.tensors),
+        _params(args.params, args.tensors),
+    )
+    plain = torch.optim.AdamW(plain_params, lr=1e-4, fused=True)
+    swap = ts.SwapOptimizer(
+        swap_params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=args.dir,
+        host_budget=None, durable=False, commit_every=0,
+    )  # fmt: skip
+    plain.step()  # the first steps allocate the state
+    swap.step()
+    plain_times, swap_times = [], []
+    for _ in range(args.steps):
+        plain_times += _time_steps(plain, 1)
+        swap_times += _time_steps(swap, 1)
+    same = all(torch.equal(a, b) for a, b in zip(plain_params, swap_params, strict=True))
+    swap.close()
+    return {
+        "memory_median_s": statistics.median(plain_times),
+        "median_s": statistics.median(swap_times),
+        "memory_times": plain_times,
+        "times": swap_times,
+        "bit_identical": same,
+    }
+
+
+def _run_swap(args: argparse.Namespace) -> dict:
     import tierswap as ts
 
     params = _params(args.params, args.tensors)
-    state_bytes = 8 * args.params
-    result: dict = {"mode": args.mode}
-    if args.mode == "memory":
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        times = _time_steps(opt, args.steps + 1)[1:]  # the first step allocates the state
-    else:
-        budget = None if args.mode == "ram" else max(state_bytes // args.fraction, 1)
-        opt = ts.SwapOptimizer(
-            params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=args.dir,
-            host_budget=budget, durable=False, commit_every=0,
-        )  # fmt: skip
-        opt.step()  # creates the state (and, under a small budget, writes it out)
-        before = opt.tier_stats()["nvme"]
-        times = _time_steps(opt, args.steps)
-        after = opt.tier_stats()["nvme"]
-        moved = sum(after[k] - before[k] for k in ("bytes_read", "bytes_written"))
-        result.update(budget=opt.host_budget, bytes_per_step=moved / args.steps)
-        result["stall_seconds"] = opt.tier_stats().get("stall_seconds")
-        opt.close()
-    result["median_s"] = statistics.median(times)
-    result["times"] = times
+    budget = max(8 * args.params // args.fraction, 1)
+    opt = ts.SwapOptimizer(
+        params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=args.dir,
+        host_budget=budget, durable=False, commit_every=0,
+    )  # fmt: skip
+    opt.step()  # creates the state (and, under a small budget, writes it out)
+    before = opt.tier_stats()["nvme"]
+    times = _time_steps(opt, args.steps)
+    stats = opt.tier_stats()
+    moved = sum(stats["nvme"][k] - before[k] for k in ("bytes_read", "bytes_written"))
+    opt.close()
+    return {
+        "budget": budget,
+        "bytes_per_step": moved / args.steps,
+        "stall_seconds": stats.get("stall_seconds"),
+        "median_s": statistics.median(times),
+        "times": times,
+    }
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    """One mode, in this process; prints a JSON line with its timings and peak RSS."""
+    result = {"mode": args.mode, **(_run_ram(args) if args.mode == "ram" else _run_swap(args))}
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(result), flush=True)
     return result
@@ -110,7 +145,7 @@ def _spawn(args: argparse.Namespace, mode: str, folder: Path) -> dict:
 
 
 def _report(args: argparse.Namespace, runs: dict, bw: dict) -> dict:
-    a = runs["memory"]["median_s"]
+    a = runs["ram"]["memory_median_s"]
     swap = runs["swap"]
     b = None
     if bw["read"] and bw["write"]:
@@ -124,6 +159,7 @@ def _report(args: argparse.Namespace, runs: dict, bw: dict) -> dict:
         "memory_fused_adamw_s": a,
         "ram_s": runs["ram"]["median_s"],
         "ram_throughput_vs_fused": a / runs["ram"]["median_s"],
+        "ram_bit_identical": runs["ram"]["bit_identical"],
         "swap_s": swap["median_s"],
         "io_bound_s": b,
         "swap_vs_max_a_b": swap["median_s"] / bound,
@@ -138,7 +174,8 @@ def _report(args: argparse.Namespace, runs: dict, bw: dict) -> dict:
     print(f"(a) fused AdamW in memory      {a:.3f} s/step ({args.params / a / 1e9:.2f} G params/s)")
     ram_ratio = report["ram_throughput_vs_fused"]
     print(f"    state in RAM (tierswap)    {report['ram_s']:.3f} s/step "
-          f"-> {ram_ratio:.2f}x fused throughput (target >= 0.95)")  # fmt: skip
+          f"-> {ram_ratio:.2f}x fused throughput (target >= 0.95), "
+          f"bit-identical: {report['ram_bit_identical']}")  # fmt: skip
     if b is not None:
         print(f"(b) I/O bound                  {b:.3f} s/step "
               f"({format_size(swap['bytes_per_step'])} moved; fio read "
@@ -158,7 +195,7 @@ def main() -> None:
     parser.add_argument("--fraction", type=int, default=8, help="host budget = state / this")
     parser.add_argument("--dir", default=None, help="folder on the disk to test (default: tmp)")
     parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--mode", choices=["memory", "ram", "swap"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=["ram", "swap"], help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -169,7 +206,7 @@ def main() -> None:
     try:
         fio_size = f"{max(min(8 * args.params, 2 << 30) >> 20, 64)}M"  # MiB for fio
         bw = {rw: _fio_bandwidth(folder, rw, fio_size) for rw in ("write", "read")}
-        runs = {mode: _spawn(args, mode, folder) for mode in ("memory", "ram", "swap")}
+        runs = {mode: _spawn(args, mode, folder) for mode in ("ram", "swap")}
         report = _report(args, runs, bw)
     finally:
         for leftover in folder.glob("bench-*"):

@@ -62,3 +62,37 @@ def test_lr_scheduler_accepts_it() -> None:
         train_step(model, swap, batches(1)[0])
         sched.step()
         assert swap.param_groups[0]["lr"] == 0.5
+
+
+# importing torch.distributed.optim uses the deprecated torch.jit.script and .interface
+@pytest.mark.filterwarnings(
+    "ignore:`torch.jit.(script|interface)` is deprecated:DeprecationWarning"
+)
+def test_swapped_as_zero_redundancy_optimizer_class(tmp_path) -> None:
+    """torch's ZeroRedundancyOptimizer builds it per rank; the rank gets swap_dir/rank-<r>."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    init = f"file://{tmp_path / 'pg'}"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        plain_model, swap_model = make_models()
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        zero = ZeroRedundancyOptimizer(
+            swap_model.parameters(), optimizer_class=swapped(torch.optim.AdamW),
+            swap_dir=tmp_path / "swap", host_budget="1MiB", lr=1e-2,
+        )  # fmt: skip
+        for x in batches(3):
+            train_step(plain_model, plain, x)
+            train_step(swap_model, zero, x)
+        assert_same_params(plain_model, swap_model)
+        assert zero.optim.swap_dir == tmp_path / "swap" / "rank-0"
+        zero.consolidate_state_dict(0)
+        consolidated = zero.state_dict()  # its groups also carry swap_dir and host_budget
+        expected = {**plain.state_dict(), "param_groups": consolidated["param_groups"]}
+        assert_same_state(expected, consolidated)
+        zero.optim.close()
+    finally:
+        dist.destroy_process_group()

@@ -11,24 +11,13 @@ import sys
 import torch
 
 from tests.optim.models import batch_for_step, make_models, train_step
-from tierswap.optim import SwapOptimizer, _backend
+from tierswap.optim import SwapOptimizer
 
 CHILD_KWARGS = {"host_budget": 8192, "lr": 1e-2, "weight_decay": 0.05}
 CHILD_LR_DECAY = 0.9
 
 
-def _use_fakes_if_needed() -> None:
-    try:
-        import tierswap.cache
-        import tierswap.store  # noqa: F401
-    except ImportError:
-        from tests.optim.conftest import _fake_open
-
-        _backend._open_cache = _fake_open
-
-
 def main(swap_dir: str) -> None:
-    _use_fakes_if_needed()
     _, model = make_models()
     opt = SwapOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **CHILD_KWARGS)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=CHILD_LR_DECAY)

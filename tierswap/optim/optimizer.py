@@ -125,7 +125,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             tier=self.tier,
             host_budget=self.host_budget,
             device_budget=config.device_budget,
-            policy=config.policy,
+            policy=self._policy(),
             durable=config.durable,
             resume=config.resume,
         )
@@ -175,6 +175,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             check_budget(self._partitions, self._config.device_budget, "device_budget")
         self._slot_partition = {s.index: p for p in self._partitions for s in p.slots}
         self._slot_of = {id(s.param): s for s in self._slots}
+
+    def _policy(self) -> Any:
+        """The cache policy; when all state fits, eviction never happens and plain LRU (the
+        cheapest bookkeeping) stands in for the default lookahead."""
+        fits = sum(s.working_set for s in self._slots) <= self._tier_budget()
+        return "lru" if fits and self._config.policy == "lookahead" else self._config.policy
 
     def _start(self, resume: bool) -> None:
         meta = self._backend.committed_meta() if resume else None
@@ -265,6 +271,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._inner.param_groups = self._groups_for(live, targets)
             try:
                 self._inner.step()
+                if self.compute_device.type == "cuda":
+                    # Sync point: the step's kernels must finish before the tensors are
+                    # unpinned, since the cache may then copy them down on its own stream.
+                    torch.cuda.current_stream(self.compute_device).synchronize()
             finally:
                 self._inner.param_groups = self._inner_groups
                 self._inner.state = defaultdict(dict)
@@ -311,7 +321,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             target.grad = None
         if slot.has_master:
             self._backend.mark_dirty(slot.master_key)
-            slot.local.copy_(target, non_blocking=True)
+            slot.local.copy_(target)  # blocking: the master may be evicted right after
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:

@@ -1,0 +1,279 @@
+"""GPU check for SwapOptimizer (issue 4): equivalence and overlap on a CUDA device, < 5 minutes.
+
+    python bench/gpu_check.py [--dir /nvme/tmp] [--json gpu_check.json]
+
+CI has no GPU; run this on a machine with one. Each check prints PASS/FAIL and a figure; the exit
+status is non-zero when any check fails. Checks:
+  1. bitwise: CUDA fp32 params, device tier on, host budget at its minimum (state cycles
+     device <-> host <-> NVMe every step): params and state equal plain torch AdamW on the GPU
+     (foreach, the CUDA default) and with fused=True.
+  2. bitwise, device tier off: the step runs on fp32 host masters; equal to plain AdamW run on
+     CPU copies fed the same gradients.
+  3. mixed precision: bf16 CUDA params, fp32 masters in the cache; equal to a hand-written
+     fp32-master reference on the GPU.
+  4. pinned host buffers: the cache's host tensors are page-locked.
+  5. overlap: after backward (hooks on) the first partitions' state is resident or in flight
+     before step() starts; step time with hooks vs without, and the cache's stall time.
+  6. device memory: peak allocated <= model + grads + device budget + 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tierswap as ts
+from tierswap.optim import _hooks
+
+RESULTS: dict[str, dict] = {}
+DEVICE = "cuda"  # --device cpu runs the same code paths without a GPU (a dry run of the script)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def record(name: str, ok: bool, **figures: object) -> None:
+    RESULTS[name] = {"ok": bool(ok), **figures}
+    shown = ", ".join(f"{k}={v}" for k, v in figures.items())
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {shown}", flush=True)
+
+
+def make_model(dtype: torch.dtype = torch.float32, width: int = 1024, depth: int = 6):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers).to(DEVICE, dtype)
+
+
+def batches(n: int, width: int = 1024, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    return [torch.randn(64, width, device=DEVICE, generator=gen, dtype=dtype) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return model(x).float().square().mean()
+
+
+def min_budget(params, **kwargs) -> int:
+    try:
+        ts.SwapOptimizer(params, host_budget=1, **kwargs).close()
+    except ts.errors.ConfigError as exc:
+        return int(re.search(r"minimum is .*?\((\d+) bytes\)", str(exc)).group(1))
+    raise RuntimeError("a 1-byte budget was accepted")
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y.to(x.device)) for x, y in zip(a, b, strict=True))
+
+
+def same_state(plain: dict, swap: dict) -> bool:
+    for index, state in plain["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and not torch.equal(value.cpu(), swap["state"][index][key]):
+                return False
+    return plain["state"].keys() == swap["state"].keys()
+
+
+def check_bitwise_device(folder: Path, steps: int, fused: bool) -> None:
+    plain_model = make_model()
+    swap_model = copy.deepcopy(plain_model)
+    kwargs = {"lr": 1e-3, "weight_decay": 0.01, "fused": fused}
+    plain = torch.optim.AdamW(plain_model.parameters(), **kwargs)
+    minimum = min_budget(swap_model.parameters(), device_budget=1 << 40, **kwargs)
+    opt = ts.SwapOptimizer(
+        swap_model.parameters(), torch.optim.AdamW, swap_dir=folder / f"dev-{fused}",
+        host_budget=minimum, device_budget=minimum, durable=False, **kwargs,
+    )  # fmt: skip
+    with opt:
+        for x in batches(steps):
+            for model, o in ((plain_model, plain), (swap_model, opt)):
+                o.zero_grad()
+                loss_of(model, x).backward()
+                o.step()
+        sync()
+        nvme = opt.tier_stats()["nvme"]
+        ok = same(plain_model.parameters(), swap_model.parameters())
+        ok = ok and same_state(plain.state_dict(), opt.state_dict())
+        record(f"bitwise device tier (fused={fused})", ok and nvme["bytes_read"] > 0,
+               steps=steps, nvme_bytes_read=nvme["bytes_read"], tier=opt.tier)  # fmt: skip
+
+
+def check_bitwise_host_step(folder: Path, steps: int) -> None:
+    swap_model = make_model()
+    cpu_params = [p.detach().cpu().clone().requires_grad_() for p in swap_model.parameters()]
+    ref = torch.optim.AdamW(cpu_params, lr=1e-3)
+    minimum = min_budget(swap_model.parameters(), lr=1e-3)
+    opt = ts.SwapOptimizer(
+        swap_model.parameters(), torch.optim.AdamW, lr=1e-3, swap_dir=folder / "host",
+        host_budget=minimum, durable=False,
+    )  # fmt: skip
+    with opt:
+        for x in batches(steps):
+            opt.zero_grad()
+            loss_of(swap_model, x).backward()
+            for p, c in zip(swap_model.parameters(), cpu_params, strict=True):
+                c.grad = p.grad.cpu()
+            opt.step()
+            ref.step()
+        ok = same(cpu_params, swap_model.parameters())
+        masters = all(s.has_master for s in opt._slots) or DEVICE == "cpu"
+        record("bitwise host step of CUDA params (device tier off)", ok and masters,
+               tier=opt.tier, masters=masters)  # fmt: skip
+
+
+def check_mixed_precision(folder: Path, steps: int) -> None:
+    ref_model = make_model(torch.bfloat16)
+    swap_model = copy.deepcopy(ref_model)
+    masters = [p.detach().float().requires_grad_() for p in ref_model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-3)
+    opt = ts.SwapOptimizer(swap_model.parameters(), torch.optim.AdamW, lr=1e-3,
+                           swap_dir=folder / "bf16", host_budget="64MiB",
+                           device_budget="32MiB", durable=False)  # fmt: skip
+    with opt:
+        for x in batches(steps, dtype=torch.bfloat16):
+            opt.zero_grad()
+            loss_of(swap_model, x).backward()
+            for p in ref_model.parameters():
+                p.grad = None
+            loss_of(ref_model, x).backward()
+            for p, m in zip(ref_model.parameters(), masters, strict=True):
+                m.grad = p.grad.float()
+            ref.step()
+            with torch.no_grad():
+                for p, m in zip(ref_model.parameters(), masters, strict=True):
+                    p.copy_(m)
+            opt.step()
+        ok = same(ref_model.parameters(), swap_model.parameters())
+        record("mixed precision bf16 with fp32 masters", ok, tier=opt.tier)
+
+
+def check_pinned(folder: Path) -> None:
+    model = make_model()
+    opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / "pin", host_budget="128MiB",
+                           durable=False)  # fmt: skip
+    with opt:
+        opt.zero_grad()
+        loss_of(model, batches(1)[0]).backward()
+        opt.step()
+        slot = opt._slots[0]
+        with opt._backend.hold([slot.master_key]) as held:
+            pinned = held[slot.master_key].is_pinned()
+        record("pinned host buffers", pinned)
+
+
+def _iteration(model, opt, x) -> float:
+    """Seconds of ``opt.step()`` after a forward and backward."""
+    opt.zero_grad()
+    loss_of(model, x).backward()
+    sync()
+    start = time.perf_counter()
+    opt.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def check_overlap(folder: Path, steps: int) -> None:
+    model = make_model(width=4096, depth=8)  # ~134M params: ~1 GiB of AdamW state
+    state = 8 * sum(p.numel() for p in model.parameters())
+    budget = max(state // 4, min_budget(model.parameters(), device_budget=1 << 40))
+    opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / "overlap", host_budget=budget,
+                           device_budget=budget, durable=False)  # fmt: skip
+    data = batches(2 * steps + 1, width=4096)
+    with opt:
+        _iteration(model, opt, data[0])
+        first = opt._keys(opt.partitions[0].slots)
+        opt.zero_grad()
+        loss_of(model, data[1]).backward()
+        resident = [opt._backend.cache.where(k) for k in first]
+        opt.step()
+        hooked = [_iteration(model, opt, x) for x in data[2 : 2 + steps]]
+        stall0 = opt.tier_stats()["stall_seconds"]
+        _hooks.remove(opt._hook_handles)
+        plain = [_iteration(model, opt, x) for x in data[2 + steps :]]
+        stall1 = opt.tier_stats()["stall_seconds"]
+    ok = all(r is not None for r in resident)
+    record("overlap: first partition resident after backward", ok, where=resident[:4],
+           step_s_hooks=round(min(hooked), 4), step_s_no_hooks=round(min(plain), 4),
+           stall_s_total=round(stall1, 3), stall_s_with_hooks=round(stall0, 3))  # fmt: skip
+
+
+def _peak_of(model, opt, data) -> int:
+    """Peak device bytes allocated over a few training steps (``opt=None``: no step)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    for x in data:
+        model.zero_grad(set_to_none=True)
+        loss_of(model, x).backward()
+        if opt is not None:
+            opt.step()
+    sync()
+    return torch.cuda.max_memory_allocated()
+
+
+def check_device_memory(folder: Path, steps: int) -> None:
+    """With the optimizer, the peak may exceed forward + backward alone by the device budget."""
+    model = make_model(width=2048, depth=8)
+    data = batches(steps, width=2048)
+    without = _peak_of(model, None, data)
+    device_budget = max(64 << 20, min_budget(model.parameters(), device_budget=1 << 40))
+    opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / "mem", host_budget=device_budget,
+                           device_budget=device_budget, durable=False)  # fmt: skip
+    with opt:
+        peak = _peak_of(model, opt, data)
+    limit = without + 1.1 * device_budget
+    record("device memory <= model + grads + activations + device budget (+10%)",
+           peak <= limit, peak=peak, forward_backward_peak=without,
+           device_budget=device_budget)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="folder on the NVMe to swap to")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (--device cpu dry-runs the script)")
+        return 2
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    print(f"device: {name}, torch {torch.__version__}", flush=True)
+    folder = Path(tempfile.mkdtemp(prefix="tierswap-gpu-", dir=args.dir))
+    started = time.perf_counter()
+    checks = [
+        lambda: check_bitwise_device(folder, args.steps, fused=False),
+        lambda: check_bitwise_device(folder, args.steps, fused=True),
+        lambda: check_bitwise_host_step(folder, args.steps),
+        lambda: check_mixed_precision(folder, args.steps),
+        lambda: check_overlap(folder, args.steps),
+    ]
+    if DEVICE == "cuda":
+        checks += [lambda: check_pinned(folder), lambda: check_device_memory(folder, args.steps)]
+    for index, check in enumerate(checks):
+        try:
+            check()
+        except Exception as exc:  # report and go on: one broken check must not hide the rest
+            record(f"check {index} raised", False, error=f"{type(exc).__name__}: {exc}")
+    print(f"total {time.perf_counter() - started:.1f} s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(RESULTS, indent=2) + "\n")
+    return 0 if all(r["ok"] for r in RESULTS.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
