@@ -36,6 +36,8 @@ __all__ = ["SwapOptimizer"]
 #: Upper bound of one partition's working set: small enough to pipeline, large enough that
 #: the per-partition overhead (a few Python calls) stays negligible.
 MAX_PARTITION_BYTES = 128 << 20
+#: Partition size when all state stays resident.
+RESIDENT_PARTITION_BYTES = 512 << 20
 #: How many partitions ahead ``step()`` prefetches while stepping one.
 PREFETCH_DEPTH = 2
 
@@ -157,13 +159,19 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _repartition(self) -> None:
         """Partition the slots in schedule order and check them against the budgets."""
         total = sum(s.working_set for s in self._slots)
-        self.host_budget = (
-            self._config.host_budget if self._config.host_budget is not None else max(total, 1)
-        )
+        if not hasattr(self, "_backend"):  # the cache's budget is fixed once it exists
+            configured = self._config.host_budget
+            self.host_budget = configured if configured is not None else max(total, 1)
         budget = self.host_budget
         if self.tier == "device":
             budget = min(budget, self._config.device_budget)
-        target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
+        # All state resident: large partitions (no I/O to pipeline; fewer calls), bounded so the
+        # first step's freshly created state is copied into the cache a slice at a time. Else
+        # about a sixth of the budget: reads ahead, the step and writes behind fit at once.
+        if total <= budget:
+            target = RESIDENT_PARTITION_BYTES
+        else:
+            target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
         self._partitions: list[Partition] = partition_slots(self._slots[::-1], target)
         self._evict_after = _write_behind(self._partitions, budget)
         check_budget(self._partitions, self.host_budget, "host_budget")
@@ -194,8 +202,15 @@ class SwapOptimizer(torch.optim.Optimizer):
             return
         if self._config.resume and self._steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
+        count = len(self._slots)
         self._add_slots(self.param_groups[-1])
-        self._repartition()
+        try:
+            self._repartition()
+        except ConfigError:  # the new group does not fit the budget: leave things as they were
+            del self._slots[count:]
+            self.param_groups.pop()
+            self._repartition()
+            raise
         self._start(resume=False)
         _hooks.remove(self._hook_handles)
         self._hook_handles = _hooks.register(self)
