@@ -37,3 +37,22 @@ def test_valid_keys(key: str) -> None:
 def test_invalid_keys(key: object, why: str) -> None:
     with pytest.raises(InvalidKeyError, match=why):
         validate_key(key)
+
+
+def test_key_hierarchy_counts_reasons_and_groups() -> None:
+    from tierswap.keys import KeyHierarchy
+
+    names = KeyHierarchy()
+    names.add("a/b/c")
+    names.add("a/b/c")  # stored and being overwritten
+    with pytest.raises(InvalidKeyError, match="group"):
+        names.check("a/b")
+    with pytest.raises(InvalidKeyError, match="nest"):
+        names.check("a/b/c/d")
+    names.check("a/x")
+    names.remove("a/b/c")
+    with pytest.raises(InvalidKeyError):
+        names.check("a")
+    names.remove("a/b/c")
+    names.check("a")
+    names.check("a/b/c/d")

@@ -365,3 +365,26 @@ def test_stats_counts(make: Callable[..., TierCache], filled: LoggingStore) -> N
     assert d["nvme"]["bytes_written"] == 0
     assert set(d) == {"device", "host", "nvme", "stall_seconds"}
     assert "TierCache(" in repr(cache)
+
+
+def test_moving_a_pinned_item_waits_for_other_threads(make: Callable[..., TierCache]) -> None:
+    cache = make(device_budget=2 * PAGE, host_budget=2 * PAGE)
+    pinned, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with cache.pinned(KEYS[0], tier="host"):
+            pinned.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert pinned.wait(30)
+    timer = threading.Timer(0.05, release.set)
+    timer.start()
+    torch.testing.assert_close(cache.get(KEYS[0], tier="device").cpu(), value(0))  # waits
+    assert release.is_set()
+    assert cache.where(KEYS[0]) == "device"
+    thread.join()
+    timer.join()
+    with cache.pinned(KEYS[1], tier="host"), pytest.raises(PinnedError, match="until unpinned"):
+        cache.get(KEYS[1], tier="device")  # only this thread could unpin it: no deadlock

@@ -127,7 +127,7 @@ class CacheMachine(RuleBasedStateMachine):
         with self.cache._cv:  # white-box: the counter matches what the tiers hold
             for tier in self.cache._tiers.values():
                 held = sum(e.size for e in tier.entries.values())
-                assert tier.used == held + tier.writing
+                assert tier.used == held + tier.writing + sum(tier.earmarks.values())
 
     def teardown(self) -> None:
         try:

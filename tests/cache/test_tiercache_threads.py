@@ -108,3 +108,39 @@ def test_asyncio_api_never_blocks_the_loop(logged: LoggingStore) -> None:
 
     asyncio.run(main())
     cache.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_stress_many_threads_long(logged: LoggingStore, policy: str) -> None:
+    """The same mix for much longer, 16 threads, tiny budgets (run with -m slow)."""
+    _fill(logged)
+    cache = TierCache(logged, device_budget=PAGE, host_budget=2 * PAGE, policy=policy)
+    errors: list[BaseException] = []
+    totals = dict.fromkeys(KEYS, 0)
+    guard = threading.Lock()
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(400):
+                key = KEYS[int(torch.randint(len(KEYS), (1,), generator=gen))]
+                tier = ("device", "host", None)[seed % 3]
+                cache.prefetch([key], tier="host")
+                with cache.pinned(key, tier=tier) as t:
+                    with guard:
+                        t.add_(1)
+                        totals[key] += 1
+                    cache.mark_dirty(key)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors[0]
+    cache.close()
+    for i, key in enumerate(KEYS):
+        assert torch.all(logged.get(key) == float(i + totals[key]))

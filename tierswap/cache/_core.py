@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +36,11 @@ from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import format_size
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 
-_DONE, _PENDING, _BLOCKED = "done", "pending", "blocked"  # outcomes of one prefetch attempt
+# Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
+# waiting for write-backs it started; cannot get room yet.
+_DONE, _PENDING, _WAITING, _BLOCKED = "done", "pending", "waiting", "blocked"
+# Read-ahead looks at most this many scheduled items (or a tier's worth of bytes) per access.
+_MAX_AHEAD = 256
 
 
 class CacheCore:
@@ -64,6 +69,7 @@ class CacheCore:
         self._auto_iter: Iterator[tuple[str, TierName]] | None = None
         self._errors: list[BaseException] = []
         self._blocked: set[int] = set()  # threads waiting for room (pin deadlock detection)
+        self._demand_keys: Counter[str] = Counter()  # keys that blocked callers wait for
         self._counters = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
         self._stall = 0.0
         self._pump_wanted = False
@@ -73,46 +79,80 @@ class CacheCore:
 
     # ---------------------------------------------------- budgets and eviction
     def _reserve(
-        self, tier: TierName, size: int, *, incoming: str | None, wait: bool = False
+        self, tier: TierName, size: int, key: str, *, prefetch: bool, wait: bool = False
     ) -> bool:
-        """Count ``size`` bytes as used in ``tier``, evicting as the policy says.
+        """Count ``size`` bytes as used in ``tier`` for ``key``, evicting as the policy says.
 
-        ``incoming`` names the key of a prefetch: the policy may then refuse to evict (do no
-        harm). Returns ``False`` when the bytes are not free yet, after one wait for them with
-        ``wait=True`` (the lock was released: the caller must look at the state again).
+        A prefetch lets the policy refuse to evict (do no harm). Bytes of dirty victims come
+        back, once written, earmarked for the key they were evicted for, so a read never takes
+        room another one is waiting for. Returns ``False`` when the bytes are not there yet,
+        after one wait for them with ``wait=True`` (the lock was released: look again).
         """
         t = self._tiers[tier]
         if size > t.budget:
             raise BudgetError(f"{format_size(size)} cannot fit the {tier} budget")
-        if incoming is not None and t.demand_waiting:
-            return False  # a blocked get/put goes first: prefetches must not take its bytes
-        while t.free < size:
-            victim = None
-            if t.free + t.writing < size:
-                if incoming is None:
-                    victim = t.victim(self.policy)
-                else:
-                    victim = t.victim(self.policy, incoming, strict=True)
-            if victim is not None:
-                self._evict(victim, demote=True)
-                continue
+        mine = t.earmarks.get(key, 0)
+        if prefetch and t.demand_waiting and mine < size:
+            return False  # a blocked get/put goes first: prefetches must not take free bytes
+        while t.free + mine < size:
+            if t.free + mine + t.promised.get(key, 0) < size:
+                victim = t.victim(self.policy, key if prefetch else None, strict=prefetch)
+                if victim is not None:
+                    self._evict(victim, demote=True, for_key=key)
+                    continue
+                if not prefetch and self._release_earmarks(t, but=key):
+                    continue  # a demand takes room that prefetches had set aside
             if wait:
-                self._wait_for_room(t, size)
+                self._wait_for_room(t, size, key)
             return False
-        t.used += size
+        t.used += size - t.earmarks.pop(key, 0)  # leftover earmarked bytes are freed
         return True
 
-    def _wait_for_room(self, t: Tier, size: int) -> None:
+    def _coming(self, tier: TierName, size: int, key: str) -> bool:
+        """True when the bytes ``key`` waits for are on their way (write-backs in flight)."""
+        t = self._tiers[tier]
+        return t.free + t.earmarks.get(key, 0) + t.promised.get(key, 0) >= size
+
+    def _release_earmarks(self, t: Tier, *, but: str | None = None) -> bool:
+        """Free bytes earmarked for keys other than ``but``; whether there were any."""
+        released = False
+        for key in [k for k in t.earmarks if k != but]:
+            t.used -= t.earmarks.pop(key)
+            released = True
+        if released:
+            self._cv.notify_all()
+        return released
+
+    def _release_unwanted(self) -> None:
+        """Free earmarked bytes of keys nobody waits for or queues any more."""
+        queued = {k for k, _ in self._explicit} | {k for k, _ in self._auto}
+        for t in self._tiers.values():
+            for key in [k for k in t.earmarks if not self._wants(k, queued)]:
+                t.used -= t.earmarks.pop(key)
+                self._cv.notify_all()
+
+    def _wants(self, key: str, queued: set[str] | None = None) -> bool:
+        if self._find(key) is not None:
+            return False
+        if queued is None:
+            queued = {k for k, _ in self._explicit} | {k for k, _ in self._auto}
+        return key in self._demand_keys or key in queued
+
+    def _wait_for_room(self, t: Tier, size: int, key: str) -> None:
         """One wait for bytes to free up in ``t``; prefetches stand back meanwhile."""
         timeout = self._check_pins(t, size)
         me = threading.get_ident()
         t.demand_waiting += 1
         self._blocked.add(me)
+        self._demand_keys[key] += 1
         try:
             self._wait(timeout)
         finally:
             t.demand_waiting -= 1
             self._blocked.discard(me)
+            self._demand_keys[key] -= 1
+            if not self._demand_keys[key]:
+                del self._demand_keys[key]
 
     def _check_pins(self, t: Tier, size: int) -> float | None:
         """Raise when waiting for room could never end; else how long to wait (None: a wake).
@@ -132,8 +172,11 @@ class CacheCore:
             f"pin fewer items at once or raise {t.name}_budget"
         )
 
-    def _evict(self, entry: Entry, *, demote: bool) -> None:
-        """Take a ready, unheld entry out of its tier: demote, write back, or drop."""
+    def _evict(self, entry: Entry, *, demote: bool, for_key: str | None = None) -> None:
+        """Take a ready, unheld entry out of its tier: demote, write back, or drop.
+
+        The bytes of a written-back victim are earmarked for ``for_key`` once written.
+        """
         if demote and entry.tier == "device" and self._demote(entry):
             return
         t = self._tiers[entry.tier]
@@ -142,9 +185,11 @@ class CacheCore:
             t.used -= entry.size
             self._cv.notify_all()
             return
-        wb = WriteBack(entry)
+        wb = WriteBack(entry, for_key)
         self._writing[entry.key] = wb
         t.writing += entry.size
+        if for_key is not None:
+            t.promised[for_key] = t.promised.get(for_key, 0) + entry.size
         self._launches.append(lambda: self._launch_write(wb))
 
     def _demote(self, entry: Entry) -> bool:
@@ -173,6 +218,7 @@ class CacheCore:
         self._explicit = self._run_queue(self._explicit, None)
         budget = self._tiers["host"].budget + self._tiers["device"].budget
         self._auto = self._run_queue(self._auto, self._auto_iter, budget)
+        self._release_unwanted()
 
     def _run_queue(
         self,
@@ -181,18 +227,21 @@ class CacheCore:
         budget: int = 0,
     ) -> list[tuple[str, TierName]]:
         kept: list[tuple[str, TierName]] = []
-        seen = 0
+        seen = looked = 0
         items = itertools.chain(queue, more) if more is not None else iter(queue)
         for item in items:
             outcome = self._try_prefetch(*item)
             if outcome != _DONE:
                 kept.append(item)
-            if outcome == _BLOCKED:
+            if outcome == _WAITING and more is None:
+                continue  # explicit prefetches: the next may evict for itself meanwhile
+            if outcome in (_BLOCKED, _WAITING):
                 kept.extend(itertools.islice(items, len(queue)))  # keep the queued rest
                 break
             meta = self._meta.get(item[0])
             seen += meta.footprint if meta else 0
-            if more is not None and seen > budget:
+            looked += 1
+            if more is not None and (seen > budget or looked >= _MAX_AHEAD):
                 break
         return kept
 
@@ -212,14 +261,15 @@ class CacheCore:
             if entry.pins or entry.state != READY:
                 return _DONE
             self.policy.admit(key)
-            ok = self._move(entry, tier, prefetch=True)
-            return _DONE if ok else _BLOCKED
+            if self._move(entry, tier, prefetch=True):
+                return _DONE
+            return _WAITING if self._coming(tier, entry.size, key) else _BLOCKED
         if key in self._writing:
             return _BLOCKED
         load_tier: TierName = "host" if meta.footprint <= self._tiers["host"].budget else tier
         self.policy.admit(key)
-        if not self._reserve(load_tier, meta.footprint, incoming=key):
-            return _BLOCKED
+        if not self._reserve(load_tier, meta.footprint, key, prefetch=True):
+            return _WAITING if self._coming(load_tier, meta.footprint, key) else _BLOCKED
         self._new_loading(key, meta, load_tier)
         return _DONE if load_tier == tier else _PENDING
 
@@ -308,12 +358,19 @@ class CacheCore:
             t = self._tiers[entry.tier]
             del self._writing[entry.key]
             t.writing -= entry.size
-            if error is None:
-                t.used -= entry.size
-                self._count_io("written", entry.meta.nbytes)
-            else:  # keep the data: back in its tier, still dirty, and report at the next call
+            if wb.for_key is not None:
+                t.promised[wb.for_key] -= entry.size
+                if not t.promised[wb.for_key]:
+                    del t.promised[wb.for_key]
+            if error is not None:  # keep the data: back in its tier, dirty; report it next call
                 t.entries[entry.key] = entry
                 self._errors.append(error)
+            elif wb.for_key is not None and self._wants(wb.for_key):
+                t.earmarks[wb.for_key] = t.earmarks.get(wb.for_key, 0) + entry.size
+            else:
+                t.used -= entry.size
+            if error is None:
+                self._count_io("written", entry.meta.nbytes)
             self._wake_pump()
 
     def _launch_flush(self, entry: Entry) -> None:
@@ -347,12 +404,15 @@ class CacheCore:
 
     # -------------------------------------------------------------- plumbing
     def _wait(self, timeout: float | None = None) -> None:
-        """Under the lock: run queued launches (lock released), or wait for a state change."""
+        """Under the lock: run queued launches (lock released), or wait for a state change.
+
+        Time spent here by a caller (not the pump thread) counts as stall.
+        """
+        start = time.perf_counter()
         if self._launches:
             self._run_launches()
-            return
-        start = time.perf_counter()
-        self._cv.wait(timeout)
+        else:
+            self._cv.wait(timeout)
         if threading.current_thread() is not self._pump:
             self._stall += time.perf_counter() - start
 

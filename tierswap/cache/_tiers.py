@@ -79,6 +79,7 @@ class WriteBack:
     """A dirty item evicted from ``tier`` whose bytes stay counted until the store has them."""
 
     entry: Entry
+    for_key: str | None = None  # whose read the freed bytes are set aside for
 
 
 class Tier:
@@ -90,6 +91,10 @@ class Tier:
         self.used = 0  # resident + loading + writing back; never above budget
         self.writing = 0  # part of `used` that write-backs in flight will free
         self.demand_waiting = 0  # callers blocked until bytes free up here (they go first)
+        # Bytes of dirty victims evicted to make room for a key: in flight (`promised`, part
+        # of `writing`), then written and set aside for that key (`earmarks`, part of `used`).
+        self.promised: dict[str, int] = {}
+        self.earmarks: dict[str, int] = {}
         self.entries: dict[str, Entry] = {}
         self.hits = 0
         self.misses = 0

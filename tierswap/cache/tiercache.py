@@ -195,7 +195,7 @@ class TierCache(CacheCore):
         with self._cv:
             self._check_open()
             cached = self._settle_key(key, allow_pinned=False)
-            self._explicit = [item for item in self._explicit if item[0] != key]
+            self._drop_queued(key)
             self.policy.forget(key)
             self._meta.pop(key, None)
         try:
@@ -257,6 +257,7 @@ class TierCache(CacheCore):
                 self._closed = True
                 for t in self._tiers.values():
                     t.entries.clear()
+                    t.earmarks.clear()
                     t.used = 0
                 self._cv.notify_all()
             self._pump.join()
@@ -341,9 +342,7 @@ class TierCache(CacheCore):
                 elif entry.tier == target:
                     return entry
                 elif entry.pins:
-                    raise PinnedError(
-                        f"{key!r} is pinned in the {entry.tier} tier; it cannot move to {target}"
-                    )
+                    self._wait_for_unpin(entry, target)
                 elif entry.state == READY and not entry.claims:
                     self._move(entry, target, prefetch=False)
                 else:
@@ -351,6 +350,20 @@ class TierCache(CacheCore):
         finally:
             if owned is not None:
                 owned.claims -= 1
+
+    def _wait_for_unpin(self, entry: Entry, target: TierName) -> None:
+        """One wait for other threads to unpin ``entry``; raise if only blocked ones pin it."""
+        me = threading.get_ident()
+        if not set(entry.pinners) - self._blocked - {me}:
+            raise PinnedError(
+                f"{entry.key!r} is pinned in the {entry.tier} tier; it cannot move to {target} "
+                "until unpinned"
+            )
+        self._blocked.add(me)
+        try:
+            self._wait(0.05)
+        finally:
+            self._blocked.discard(me)
 
     def _start_load(self, key: str, target: TierName) -> Entry | None:
         """Reserve bytes and queue a read of ``key`` from the store (a demand miss).
@@ -364,7 +377,7 @@ class TierCache(CacheCore):
         meta = self._meta[key]
         host = self._tiers["host"]
         tier: TierName = "host" if meta.footprint <= host.budget else target
-        if not self._reserve(tier, meta.footprint, incoming=None, wait=True):
+        if not self._reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
         entry = self._new_loading(key, meta, tier)
         entry.claims += 1
@@ -385,13 +398,13 @@ class TierCache(CacheCore):
         """
         entry.claims += 1  # demoting victims into our tier must not evict the entry itself
         try:
-            ok = self._reserve(target, entry.size, incoming=entry.key if prefetch else None)
+            ok = self._reserve(target, entry.size, entry.key, prefetch=prefetch)
         finally:
             entry.claims -= 1
         if ok:
             self._relocate(entry, target)
         elif not prefetch:
-            self._wait_for_room(self._tiers[target], entry.size)
+            self._wait_for_room(self._tiers[target], entry.size, entry.key)
         return ok
 
     def _relocate(self, entry: Entry, target: TierName) -> None:
@@ -425,7 +438,7 @@ class TierCache(CacheCore):
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
             if entry is not None:
                 self._discard(entry)
-            if not self._reserve(target, meta.footprint, incoming=None, wait=True):
+            if not self._reserve(target, meta.footprint, key, prefetch=False, wait=True):
                 self._settle_key(key, allow_pinned=True)
                 continue
             t = self._tiers[target]

@@ -31,14 +31,13 @@ from tierswap.config import IOConfig, Size, parse_size, round_up
 from tierswap.errors import (
     ConfigError,
     CorruptionError,
-    InvalidKeyError,
     KeyNotFoundError,
     ReadOnlyError,
     StoreClosedError,
 )
 from tierswap.io.buffers import aligned_empty
 from tierswap.io.engine import IOEngine, gather, translate_os_error
-from tierswap.keys import validate_key
+from tierswap.keys import KeyHierarchy, validate_key
 from tierswap.store import journal
 from tierswap.store.folder import StoreFolder
 from tierswap.store.layout import (
@@ -107,6 +106,7 @@ class SwapStore:
         self._folder = StoreFolder(self.path)
         self._cv = threading.Condition()
         self._entries: dict[str, _Entry] = {}
+        self._names = KeyHierarchy()  # live keys (stored, damaged or being put) and groups
         self._committed: dict[str, ArrayMeta] = {}
         self._damaged: dict[str, str] = {}
         self._purged: set[str] = set()  # damaged keys deleted since the last commit
@@ -140,6 +140,8 @@ class SwapStore:
         for key, (meta, files) in index.arrays.items():
             self._entries[key] = _Entry(meta, files)
             self._committed[key] = meta
+        for key in [*index.arrays, *index.damaged]:
+            self._names.add(key)
 
     # ================================================================== guards
     def _check_open(self) -> None:
@@ -173,23 +175,6 @@ class SwapStore:
             with contextlib.suppress(Exception):
                 future.result()
 
-    def _check_conflict(self, key: str) -> None:
-        """A key cannot be both an array and a group (a prefix of another key)."""
-        names = self._entries.keys() | self._pending.keys()
-        parts = key.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in names:
-                raise InvalidKeyError(
-                    f"key {key!r} would nest under the stored key {'/'.join(parts[:i])!r}; "
-                    "delete that key or choose another name"
-                )
-        prefix = key + "/"
-        clash = next((n for n in names if n.startswith(prefix)), None)
-        if clash is not None:
-            raise InvalidKeyError(
-                f"key {key!r} is a group holding {clash!r}; choose another name for the tensor"
-            )
-
     # ================================================================== writes
     def put(self, key: str, tensor: torch.Tensor) -> None:
         """Store ``tensor`` (any dtype, shape, device) under ``key``; visible to reads at once,
@@ -213,12 +198,13 @@ class SwapStore:
         with self._cv:
             self._begin()
             try:
-                self._check_conflict(key)
+                self._names.check(key)
             except BaseException:
                 self._active -= 1
                 raise
             result: Future[None] = Future()
             self._pending[key] = result
+            self._names.add(key)
             seq = next(self._seq)
         self._submit_put(meta, source, seq, result)
         return result
@@ -274,6 +260,7 @@ class SwapStore:
         with self._cv:
             if self._pending.get(meta.key) is result:
                 del self._pending[meta.key]
+            self._names.remove(meta.key)
         self._end()
         if error is None:
             result.set_result(None)
@@ -294,6 +281,8 @@ class SwapStore:
         with self._cv:
             old = self._entries.get(meta.key)
             self._entries[meta.key] = _Entry(meta, paths, staged=self.durable, dirty=True)
+            if old is None:
+                self._names.add(meta.key)
         if old is not None and old.staged:
             self._retire(old)
 
@@ -318,10 +307,11 @@ class SwapStore:
                 self._cv.wait()
             entry = self._entries.pop(key, None)
             damaged = self._damaged.pop(key, None)
-            if damaged is not None:
-                self._purged.add(key)
             if entry is None and damaged is None:
                 raise KeyNotFoundError(f"key {key!r} is not in store {str(self.path)!r}")
+            self._names.remove(key)
+            if damaged is not None:
+                self._purged.add(key)
         if entry is not None and entry.staged:
             self._retire(entry)
 
