@@ -22,6 +22,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
+from tierswap.optim._memory import trim_heap
 from tierswap.optim._partition import (
     Partition,
     Slot,
@@ -288,8 +289,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             finally:
                 self._inner.param_groups = self._inner_groups
                 self._inner.state = defaultdict(dict)
-            for slot in live:
+            created = [
                 self._collect(slot, targets[slot.index], state[targets[slot.index]], held)
+                for slot in live
+            ]
+        if any(created):
+            trim_heap()  # the freshly created state was copied into the cache: free it for real
 
     def _slot_state(self, slot: Slot, held: dict[str, torch.Tensor]) -> dict[str, Any]:
         state = dict(self._small.get(slot.index, {}))
@@ -312,9 +317,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         target: torch.Tensor,
         new_state: dict[str, Any],
         held: dict[str, torch.Tensor],
-    ) -> None:
-        """Hand the stepped tensors back to the cache; keep scalars; update the model param."""
+    ) -> bool:
+        """Hand the stepped tensors back to the cache; keep scalars; update the model param.
+
+        Returns whether the step created new state tensors (they were copied into the cache).
+        """
         small: dict[str, Any] = {}
+        created = False
         for name, value in new_state.items():
             key = f"{slot.prefix}/{name}"
             if not (torch.is_tensor(value) and value.dim() > 0):
@@ -326,11 +335,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             else:
                 self._backend.put(key, value)
                 self._state_names[slot.index].append(name)
+                created = True
         self._small[slot.index] = small
         if slot.has_master:
             target.grad = None
             self._backend.mark_dirty(slot.master_key)
             slot.param.copy_(target)  # blocking: the master may be evicted right after
+        return created
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
