@@ -99,7 +99,11 @@ def _train(model: GPT, opt: torch.optim.Optimizer, data: list[torch.Tensor], lab
             step_s.append(end - start)
             opt_s.append(end - mid)
             bar.update(task, advance=1, info=f"loss {loss.item():.3f}  opt.step {end - mid:.2f}s")
-    return {"step": statistics.median(step_s), "opt": statistics.median(opt_s)}
+    return {
+        "step": statistics.median(step_s),
+        "opt": statistics.median(opt_s),
+        "opt_total": sum(opt_s),
+    }
 
 
 def _parse() -> argparse.Namespace:
@@ -116,7 +120,7 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _print_stats(stats: dict, state_bytes: int, budget: int) -> None:
+def _print_stats(stats: dict, state_bytes: int, budget: int, opt_seconds: float) -> None:
     print(f"\nAdam state {format_size(state_bytes)}, host budget {format_size(budget)}")
     for tier in ("device", "host"):
         tier_stats = stats.get(tier, {})
@@ -129,6 +133,9 @@ def _print_stats(stats: dict, state_bytes: int, budget: int) -> None:
         f"written {format_size(nvme.get('bytes_written', 0))}"
     )
     print(f"  stall  {stats.get('stall_seconds', 0.0):.2f} s")
+    moved = nvme.get("bytes_read", 0) + nvme.get("bytes_written", 0)
+    print(f"  disk traffic while stepping: {format_size(moved / opt_seconds)}/s "
+          "(the swapped step is bound by this; compare `tierswap bench`)")  # fmt: skip
 
 
 def main() -> None:
@@ -147,7 +154,7 @@ def main() -> None:
     with opt:
         swapped = _train(model, opt, data, "tierswap")
         opt.commit()
-        _print_stats(opt.tier_stats(), 8 * n_params, budget)
+        _print_stats(opt.tier_stats(), 8 * n_params, budget, swapped["opt_total"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"  peak RSS so far {format_size(rss)} (params + grads {format_size(8 * n_params)})")
     if args.no_baseline:
