@@ -11,13 +11,16 @@ stepping all at once.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from tierswap.cache.policies import EvictionPolicy
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _state_dict
 from tierswap.optim._backend import StateBackend
@@ -82,10 +85,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        swap_dir: Any = None,
-        host_budget: Any = None,
-        device_budget: Any = 0,
-        policy: Any = "lookahead",
+        swap_dir: str | os.PathLike[str] | None = None,
+        host_budget: int | str | None = None,
+        device_budget: int | str = 0,
+        policy: str | EvictionPolicy = "lookahead",
         durable: bool = True,
         commit_every: int = 1,
         resume: bool = False,
@@ -358,7 +361,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     # -- introspection and teardown -------------------------------------------------------
     @property
-    def swap_dir(self) -> Any:
+    def swap_dir(self) -> Path:
         """The folder of the swap store."""
         return self._backend.path
 
