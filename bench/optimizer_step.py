@@ -121,6 +121,9 @@ def run_child(args: argparse.Namespace) -> dict:
     """One mode, in this process; prints a JSON line with its timings and peak RSS."""
     import tierswap  # noqa: F401  (the runtime baseline includes the library)
 
+    warm = torch.nn.Parameter(torch.zeros(8))
+    warm.grad = torch.zeros(8)
+    torch.optim.AdamW([warm]).step()  # torch loads its optimizer machinery (~80 MB) on first use
     runtime = _rss_now() if os.path.exists("/proc/self/statm") else 0
     result = {"mode": args.mode, **(_run_ram(args) if args.mode == "ram" else _run_swap(args))}
     result["runtime_rss"] = runtime
