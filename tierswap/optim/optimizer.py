@@ -110,7 +110,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
         # handed to offload()) moves into the swap space through load_state_dict below.
         existing = inner.state_dict() if inner.state else None
-        inner.state = defaultdict(dict)
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
         self._inner_groups = inner.param_groups
@@ -145,6 +144,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
         self._hook_handles = _hooks.register(self)
         self._ready = True
+        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
             self.load_state_dict(existing)
 
@@ -201,11 +201,12 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
-        super().add_param_group(param_group)
-        if not getattr(self, "_ready", False):
-            return
-        if self._config.resume and self._steps:
+        ready = getattr(self, "_ready", False)
+        if ready and self._config.resume and self._steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
+        super().add_param_group(param_group)
+        if not ready:
+            return
         count = len(self._slots)
         self._add_slots(self.param_groups[-1])
         try:
