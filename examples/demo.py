@@ -110,6 +110,7 @@ def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default="swap", help="folder of the swap store")
     parser.add_argument("--host-budget", default="256MiB", help="host tier budget")
+    parser.add_argument("--device-budget", default="0", help="device tier budget (0: off)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
@@ -150,7 +151,8 @@ def main() -> None:
     data = _batches(cfg, args)
     budget = parse_size(args.host_budget, name="--host-budget")
     opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4, fused=True,
-                           swap_dir=args.swap_dir, host_budget=budget, commit_every=0)  # fmt: skip
+                           swap_dir=args.swap_dir, host_budget=budget, commit_every=0,
+                           device_budget=args.device_budget)  # fmt: skip
     with opt:
         swapped = _train(model, opt, data, "tierswap")
         opt.commit()
