@@ -23,6 +23,16 @@ __all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2, tensor parallel); any other tensor as is.
+
+    The shard shares storage with the DTensor, so stepping it steps this rank's part of the
+    parameter with the same per-element math torch runs on the DTensor.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
 def master_dtype(param: torch.Tensor) -> torch.dtype:
     """dtype of the master weights and state kept for ``param`` (fp32 for fp16/bf16 params)."""
     return torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
@@ -45,6 +55,11 @@ class Slot:
     state_itemsizes: tuple[int, ...]
 
     @property
+    def local(self) -> torch.Tensor:
+        """The tensor this rank steps: the parameter, or its local shard for a DTensor."""
+        return local_tensor(self.param)
+
+    @property
     def prefix(self) -> str:
         return f"p{self.index}"
 
@@ -59,13 +74,14 @@ class Slot:
     @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
-        return sum(_footprint(self.param.numel() * size) for size in self.state_itemsizes)
+        numel = self.local.numel()
+        return sum(_footprint(numel * size) for size in self.state_itemsizes)
 
     @property
     def master_bytes(self) -> int:
         if not self.has_master:
             return 0
-        return _footprint(self.param.numel() * master_dtype(self.param).itemsize)
+        return _footprint(self.local.numel() * master_dtype(self.param).itemsize)
 
     @property
     def working_set(self) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._partition import Slot, master_dtype
+from tierswap.optim._partition import Slot, local_tensor, master_dtype
 
 if TYPE_CHECKING:
     from tierswap.optim.optimizer import SwapOptimizer
@@ -18,7 +18,7 @@ __all__ = ["commit", "load_state_dict", "restore_commit", "state_dict"]
 
 def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
     return [
-        [list(s.param.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
+        [list(s.local.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
     ]
 
 
@@ -28,7 +28,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 def commit(optimizer: SwapOptimizer) -> int:
     """Write params without a master, scalars and hyper-parameters; flush; commit."""
-    params = {s.param_key: s.param for s in optimizer._slots if not s.has_master}
+    params = {s.param_key: s.local for s in optimizer._slots if not s.has_master}
     small = {
         "small": {i: _clone(v) for i, v in optimizer._small.items()},
         "names": dict(optimizer._state_names),
@@ -67,9 +67,9 @@ def _restore_param(optimizer: SwapOptimizer, slot: Slot) -> None:
     backend = optimizer._backend
     if slot.has_master:
         with backend.hold([slot.master_key]) as held:
-            slot.param.copy_(held[slot.master_key])
+            slot.local.copy_(held[slot.master_key])
     else:
-        backend.load_param(slot.param_key, slot.param.data)
+        backend.load_param(slot.param_key, slot.local.data)
 
 
 def _clone(value: Any) -> Any:
@@ -85,13 +85,25 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
-            state[name] = backend.read(f"{slot.prefix}/{name}")
+            state[name] = _like_param(backend.read(f"{slot.prefix}/{name}"), slot.param)
         if state:
             optimizer.state[slot.param] = state
     try:
         return torch.optim.Optimizer.state_dict(optimizer)
     finally:
         optimizer.state.clear()
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """State of a DTensor parameter goes out as a DTensor sharded like it (torch's format)."""
+    if local_tensor(param) is param:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
 
 
 def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
@@ -123,7 +135,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
 def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
     """A tensor with the dtype and device the slot's state must have (torch casts to it)."""
     if not slot.has_master:
-        return slot.param
+        return slot.local
     return torch.empty(0, dtype=master_dtype(slot.param), device=optimizer.compute_device)
 
 
@@ -134,11 +146,11 @@ def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) 
     small = {}
     for name, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
-            backend.put(f"{slot.prefix}/{name}", value)
+            backend.put(f"{slot.prefix}/{name}", local_tensor(value))
             optimizer._state_names[slot.index].append(name)
         else:
             small[name] = value
     optimizer._small[slot.index] = small
     if slot.has_master:
-        master = slot.param.detach().to(optimizer.compute_device, master_dtype(slot.param))
+        master = slot.local.detach().to(optimizer.compute_device, master_dtype(slot.param))
         backend.put(slot.master_key, master)

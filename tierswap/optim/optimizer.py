@@ -30,6 +30,7 @@ from tierswap.optim._partition import (
     Partition,
     Slot,
     check_budget,
+    local_tensor,
     master_dtype,
     partition_slots,
     probe_state_itemsizes,
@@ -275,12 +276,15 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _step_slots(self, live: list[Slot]) -> None:
         """Run the inner optimizer over ``live`` with their tensors pinned in the cache."""
         with self._backend.hold(self._keys(live)) as held:
-            targets = {s.index: held[s.master_key] if s.has_master else s.param for s in live}
+            targets = {s.index: held[s.master_key] if s.has_master else s.local for s in live}
             state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
             for slot in live:
                 target = targets[slot.index]
+                grad = local_tensor(slot.param.grad)
                 if slot.has_master:
-                    target.grad = slot.param.grad.to(target.device, target.dtype)
+                    target.grad = grad.to(target.device, target.dtype)
+                elif target is not slot.param:  # a DTensor's local shard
+                    target.grad = grad
                 state[target] = self._slot_state(slot, held)
             self._inner.state = state
             self._inner.param_groups = self._groups_for(live, targets)
@@ -341,10 +345,11 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._state_names[slot.index].append(name)
                 created = True
         self._small[slot.index] = small
-        if slot.has_master:
+        if target is not slot.param:
             target.grad = None
+        if slot.has_master:
             self._backend.mark_dirty(slot.master_key)
-            slot.param.copy_(target)  # blocking: the master may be evicted right after
+            slot.local.copy_(target)  # blocking: the master may be evicted right after
         return created
 
     # -- persistence and state dicts ------------------------------------------------------
@@ -451,4 +456,4 @@ def _compute_device(tier: str) -> torch.device:
 
 
 def _master_copy(slot: Slot, device: torch.device) -> torch.Tensor:
-    return slot.param.detach().to(device=device, dtype=master_dtype(slot.param), copy=True)
+    return slot.local.detach().to(device=device, dtype=master_dtype(slot.param), copy=True)
