@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -q
 
 demo: $(STAMP)
-	$(BIN)/python examples/swap_api.py --swap-dir $(SWAP_DIR)
+	$(BIN)/python examples/demo.py --swap-dir $(SWAP_DIR)
 
 lint:
 	$(BIN)/ruff format .

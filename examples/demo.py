@@ -99,13 +99,18 @@ def _train(model: GPT, opt: torch.optim.Optimizer, data: list[torch.Tensor], lab
             step_s.append(end - start)
             opt_s.append(end - mid)
             bar.update(task, advance=1, info=f"loss {loss.item():.3f}  opt.step {end - mid:.2f}s")
-    return {"step": statistics.median(step_s), "opt": statistics.median(opt_s)}
+    return {
+        "step": statistics.median(step_s),
+        "opt": statistics.median(opt_s),
+        "opt_total": sum(opt_s),
+    }
 
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default="swap", help="folder of the swap store")
     parser.add_argument("--host-budget", default="256MiB", help="host tier budget")
+    parser.add_argument("--device-budget", default="0", help="device tier budget (0: off)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
@@ -116,7 +121,7 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _print_stats(stats: dict, state_bytes: int, budget: int) -> None:
+def _print_stats(stats: dict, state_bytes: int, budget: int, opt_seconds: float) -> None:
     print(f"\nAdam state {format_size(state_bytes)}, host budget {format_size(budget)}")
     for tier in ("device", "host"):
         tier_stats = stats.get(tier, {})
@@ -129,6 +134,9 @@ def _print_stats(stats: dict, state_bytes: int, budget: int) -> None:
         f"written {format_size(nvme.get('bytes_written', 0))}"
     )
     print(f"  stall  {stats.get('stall_seconds', 0.0):.2f} s")
+    moved = nvme.get("bytes_read", 0) + nvme.get("bytes_written", 0)
+    print(f"  disk traffic while stepping: {format_size(moved / opt_seconds)}/s "
+          "(the swapped step is bound by this; compare `tierswap bench`)")  # fmt: skip
 
 
 def main() -> None:
@@ -143,11 +151,12 @@ def main() -> None:
     data = _batches(cfg, args)
     budget = parse_size(args.host_budget, name="--host-budget")
     opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4, fused=True,
-                           swap_dir=args.swap_dir, host_budget=budget, commit_every=0)  # fmt: skip
+                           swap_dir=args.swap_dir, host_budget=budget, commit_every=0,
+                           device_budget=args.device_budget)  # fmt: skip
     with opt:
         swapped = _train(model, opt, data, "tierswap")
         opt.commit()
-        _print_stats(opt.tier_stats(), 8 * n_params, budget)
+        _print_stats(opt.tier_stats(), 8 * n_params, budget, swapped["opt_total"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"  peak RSS so far {format_size(rss)} (params + grads {format_size(8 * n_params)})")
     if args.no_baseline:

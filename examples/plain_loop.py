@@ -2,7 +2,8 @@
 
     python examples/plain_loop.py --swap-dir /tmp/plain-loop --steps 20
 
-Run it twice with ``--resume`` to continue from the last commit of the swap folder.
+Run it again with ``--resume`` to continue from the last commit of the swap folder (the LR
+schedule and the data restart: a real script restores them from its own checkpoint).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--swap-dir", default="plain-loop-swap")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--host-budget", default="2MiB")
+    parser.add_argument("--host-budget", default="512KiB")  # state: ~660 KiB
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import tierswap
-from tierswap.optim.distributed import broadcast_owned_params, local_tensor
+from tierswap.optim.distributed import broadcast_owned_params
 
 STEPS = 3
 #: Two 4 KiB pages: one small parameter's AdamW state; everything else waits on disk.
@@ -35,6 +36,11 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 7), torch.nn.Linear(7, 1)
     )
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (torch's own ``to_local()``); any other tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -155,8 +161,6 @@ def fsdp(
 
 def state_locals(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The state dict's per-parameter state as (is DTensor, local CPU tensor) pairs."""
-    from torch.distributed.tensor import DTensor
-
     return {
         index: {
             name: (isinstance(value, DTensor), local_tensor(value).detach().clone())

@@ -13,6 +13,7 @@ from tests.optim.models import (
     make_models,
     train_step,
 )
+from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer, offload, swapped
 
 
@@ -35,6 +36,17 @@ def test_offload_keeps_class_groups_and_state() -> None:
             train_step(swap_model, swap, x)
         assert_same_params(plain_model, swap_model)
         assert_same_state(plain.state_dict(), swap.state_dict())
+
+
+def test_offload_with_too_small_a_budget_leaves_the_optimizer_intact() -> None:
+    _, model = make_models()
+    existing = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(model, existing, batches(1)[0])
+    before = {k: dict(v) for k, v in existing.state.items()}
+    with pytest.raises(ConfigError, match="minimum"):
+        offload(existing, host_budget=1)
+    assert existing.state.keys() == before.keys()
+    train_step(model, existing, batches(2)[1])  # still usable
 
 
 def test_offload_rejects_non_optimizers() -> None:

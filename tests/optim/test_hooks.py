@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.optim.models import (
@@ -11,6 +12,7 @@ from tests.optim.models import (
     make_models,
     train_step,
 )
+from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 
 
@@ -81,3 +83,13 @@ def test_add_param_group_after_construction() -> None:
             train_step(swap_model, swap, x)
         assert_same_params(plain_model, swap_model)
         assert_same_state(plain.state_dict(), swap.state_dict())
+
+
+def test_add_param_group_too_large_for_the_budget_changes_nothing() -> None:
+    _, model = make_models()
+    with SwapOptimizer([model.inp.bias], host_budget="8KiB") as swap:
+        with pytest.raises(ConfigError, match="minimum"):
+            swap.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4096))]})
+        assert len(swap.param_groups) == 1
+        assert len(swap._slots) == 1
+        train_step(model, swap, batches(1)[0])

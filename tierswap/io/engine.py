@@ -265,17 +265,23 @@ def gather(futures: list[Future[T]]) -> Future[list[T]]:
         return combined
     remaining = [len(futures)]
     lock = threading.Lock()
+    # The callbacks reference this private list, not the caller's: clearing it once all are
+    # done breaks the futures -> callback -> list -> futures cycle, so finished requests (and the
+    # buffers their callbacks reach) are freed by reference counting, not by a later gc pass.
+    pending = list(futures)
 
     def _one_done(_future: Future[T]) -> None:
         with lock:
             remaining[0] -= 1
             if remaining[0]:
                 return
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        done = pending[:]
+        pending.clear()
+        errors = [f.exception() for f in done if f.exception() is not None]
         if errors:
             combined.set_exception(errors[0])
         else:
-            combined.set_result([f.result() for f in futures])
+            combined.set_result([f.result() for f in done])
 
     for future in futures:
         future.add_done_callback(_one_done)

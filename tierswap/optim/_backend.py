@@ -174,8 +174,10 @@ class StateBackend:
     ) -> int:
         """Write ``params`` and ``small`` to the store, flush the cache, commit atomically."""
         self.settle()
-        for key, tensor in params.items():
-            self.store.put(key, tensor.detach())
+        # All parameter writes in flight at once; the tensors are not modified until they end.
+        writes = [self.store.put_async(key, tensor.detach()) for key, tensor in params.items()]
+        for write in writes:
+            write.result()
         buffer = io.BytesIO()
         torch.save(small, buffer)
         self.store.put(SMALL_KEY, torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))

@@ -16,12 +16,21 @@ import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
-from tierswap.optim.distributed import local_tensor
 
 __all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_itemsizes"]
 
 #: Low-precision parameter dtypes that get an fp32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2, tensor parallel); any other tensor as is.
+
+    The shard shares storage with the DTensor, so stepping it steps this rank's part of the
+    parameter with the same per-element math torch runs on the DTensor.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
 
 
 def master_dtype(param: torch.Tensor) -> torch.dtype:
@@ -47,7 +56,7 @@ class Slot:
 
     @property
     def local(self) -> torch.Tensor:
-        """The tensor the optimizer steps: the local shard of a DTensor, else the param."""
+        """The tensor this rank steps: the parameter, or its local shard for a DTensor."""
         return local_tensor(self.param)
 
     @property
@@ -65,7 +74,8 @@ class Slot:
     @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
-        return sum(_footprint(self.local.numel() * size) for size in self.state_itemsizes)
+        numel = self.local.numel()
+        return sum(_footprint(numel * size) for size in self.state_itemsizes)
 
     @property
     def master_bytes(self) -> int:

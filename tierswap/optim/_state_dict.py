@@ -11,8 +11,8 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._partition import Slot, master_dtype
-from tierswap.optim.distributed import check_world, local_tensor, shaped_like, world_meta
+from tierswap.optim._partition import Slot, local_tensor, master_dtype
+from tierswap.optim.distributed import check_world, world_meta
 
 if TYPE_CHECKING:
     from tierswap.optim.optimizer import SwapOptimizer
@@ -106,13 +106,25 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
-            state[name] = shaped_like(backend.read(f"{slot.prefix}/{name}"), slot.param)
+            state[name] = _like_param(backend.read(f"{slot.prefix}/{name}"), slot.param)
         if state:
             optimizer.state[slot.param] = state
     try:
         return torch.optim.Optimizer.state_dict(optimizer)
     finally:
         optimizer.state.clear()
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """State of a DTensor parameter goes out as a DTensor sharded like it (torch's format)."""
+    if local_tensor(param) is param:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
 
 
 def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
@@ -144,7 +156,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
 def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
     """A tensor with the dtype and device the slot's state must have (torch casts to it)."""
     if not slot.has_master:
-        return slot.param
+        return slot.local
     return torch.empty(0, dtype=master_dtype(slot.param), device=optimizer.compute_device)
 
 

@@ -1,9 +1,10 @@
-"""torch.distributed support: per-rank swap folders, world-size checks, DTensor local shards.
+"""torch.distributed support: per-rank swap folders, world-size and resume checks.
 
 tierswap has no communication layer of its own. Under ``torch.distributed`` each rank owns the
 optimizer state of its own parameters (``ZeroRedundancyOptimizer``) or of its local shards
 (FSDP2 ``fully_shard``) and swaps it to its own folder ``swap_dir/rank-<r>``; torch moves the
-gradients and parameters between ranks exactly as it does for an in-memory optimizer.
+gradients and parameters between ranks exactly as it does for an in-memory optimizer. A
+``DTensor`` parameter is stepped and swapped through its local shard (``Slot.local``).
 
 Every commit records the world size and rank that wrote it; resuming a folder with another
 world size raises :class:`~tierswap.errors.WorldSizeError` instead of silently loading a shard
@@ -25,9 +26,7 @@ __all__ = [
     "broadcast_owned_params",
     "check_resumed_steps",
     "check_world",
-    "local_tensor",
     "rank_swap_dir",
-    "shaped_like",
     "world",
     "world_meta",
 ]
@@ -128,38 +127,3 @@ def check_resumed_steps(steps: int, path: str | Path) -> None:
             "alone. Load a torch checkpoint (e.g. torch.distributed.checkpoint) into a new "
             "swap_dir, or start again"
         )
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a ``DTensor`` (sharing its storage), or ``tensor`` itself.
-
-    The optimizer steps, swaps and commits local shards; per-element optimizer math on a shard
-    is the same as on the ``DTensor``, and no collective is needed.
-    """
-    if _is_dtensor(tensor):
-        with torch.no_grad():  # to_local() returns the stored shard itself without autograd
-            return tensor.to_local()
-    return tensor
-
-
-def shaped_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``local`` as a ``DTensor`` laid out like ``param`` when ``param`` is one; else ``local``.
-
-    Used for state dicts, so a swapped optimizer over FSDP2 parameters returns the same
-    ``DTensor`` state a plain optimizer would.
-    """
-    if not _is_dtensor(param):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-    )
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)

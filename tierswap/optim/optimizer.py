@@ -11,32 +11,39 @@ stepping all at once.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from tierswap.cache.policies import EvictionPolicy
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
+from tierswap.optim._memory import trim_heap
 from tierswap.optim._partition import (
     Partition,
     Slot,
     check_budget,
+    local_tensor,
     master_dtype,
     partition_slots,
     probe_state_itemsizes,
 )
-from tierswap.optim.distributed import check_resumed_steps, local_tensor
+from tierswap.optim.distributed import check_resumed_steps
 
 __all__ = ["SwapOptimizer"]
 
 #: Upper bound of one partition's working set: small enough to pipeline, large enough that
 #: the per-partition overhead (a few Python calls) stays negligible.
 MAX_PARTITION_BYTES = 128 << 20
+#: Partition size when all state stays resident.
+RESIDENT_PARTITION_BYTES = 512 << 20
 #: How many partitions ahead ``step()`` prefetches while stepping one.
 PREFETCH_DEPTH = 2
 
@@ -80,10 +87,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        swap_dir: Any = None,
-        host_budget: Any = None,
-        device_budget: Any = 0,
-        policy: Any = "lookahead",
+        swap_dir: str | os.PathLike[str] | None = None,
+        host_budget: int | str | None = None,
+        device_budget: int | str = 0,
+        policy: str | EvictionPolicy = "lookahead",
         durable: bool = True,
         commit_every: int = 1,
         resume: bool = False,
@@ -105,7 +112,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
         # handed to offload()) moves into the swap space through load_state_dict below.
         existing = inner.state_dict() if inner.state else None
-        inner.state = defaultdict(dict)
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
         self.state = _state_dict.SwappedState(self)  # true when the swap space holds state
@@ -143,6 +149,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
         self._hook_handles = _hooks.register(self)
         self._ready = True
+        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
             self.load_state_dict(existing)
 
@@ -161,13 +168,19 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _repartition(self) -> None:
         """Partition the slots in schedule order and check them against the budgets."""
         total = sum(s.working_set for s in self._slots)
-        self.host_budget = (
-            self._config.host_budget if self._config.host_budget is not None else max(total, 1)
-        )
+        if not hasattr(self, "_backend"):  # the cache's budget is fixed once it exists
+            configured = self._config.host_budget
+            self.host_budget = configured if configured is not None else max(total, 1)
         budget = self.host_budget
         if self.tier == "device":
             budget = min(budget, self._config.device_budget)
-        target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
+        # All state resident: large partitions (no I/O to pipeline; fewer calls), bounded so the
+        # first step's freshly created state is copied into the cache a slice at a time. Else
+        # about a sixth of the budget: reads ahead, the step and writes behind fit at once.
+        if total <= budget:
+            target = RESIDENT_PARTITION_BYTES
+        else:
+            target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
         self._partitions: list[Partition] = partition_slots(self._slots[::-1], target)
         self._evict_after = _write_behind(self._partitions, budget)
         check_budget(self._partitions, self.host_budget, "host_budget")
@@ -193,13 +206,21 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
-        super().add_param_group(param_group)
-        if not getattr(self, "_ready", False):
-            return
-        if self._config.resume and self._steps:
+        ready = getattr(self, "_ready", False)
+        if ready and self._config.resume and self._steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
+        super().add_param_group(param_group)
+        if not ready:
+            return
+        count = len(self._slots)
         self._add_slots(self.param_groups[-1])
-        self._repartition()
+        try:
+            self._repartition()
+        except ConfigError:  # the new group does not fit the budget: leave things as they were
+            del self._slots[count:]
+            self.param_groups.pop()
+            self._repartition()
+            raise
         self._start(resume=False)
         _hooks.remove(self._hook_handles)
         self._hook_handles = _hooks.register(self)
@@ -264,8 +285,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
             for slot in live:
                 target = targets[slot.index]
-                if target is not slot.param:  # a master, or the local shard of a DTensor
-                    target.grad = local_tensor(slot.param.grad).to(target.device, target.dtype)
+                grad = local_tensor(slot.param.grad)
+                if slot.has_master:
+                    target.grad = grad.to(target.device, target.dtype)
+                elif target is not slot.param:  # a DTensor's local shard
+                    target.grad = grad
                 state[target] = self._slot_state(slot, held)
             self._inner.state = state
             self._inner.param_groups = self._groups_for(live, targets)
@@ -278,8 +302,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             finally:
                 self._inner.param_groups = self._inner_groups
                 self._inner.state = defaultdict(dict)
-            for slot in live:
+            created = [
                 self._collect(slot, targets[slot.index], state[targets[slot.index]], held)
+                for slot in live
+            ]
+        if any(created):
+            trim_heap()  # the freshly created state was copied into the cache: free it for real
 
     def _slot_state(self, slot: Slot, held: dict[str, torch.Tensor]) -> dict[str, Any]:
         state = dict(self._small.get(slot.index, {}))
@@ -302,9 +330,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         target: torch.Tensor,
         new_state: dict[str, Any],
         held: dict[str, torch.Tensor],
-    ) -> None:
-        """Hand the stepped tensors back to the cache; keep scalars; update the model param."""
+    ) -> bool:
+        """Hand the stepped tensors back to the cache; keep scalars; update the model param.
+
+        Returns whether the step created new state tensors (they were copied into the cache).
+        """
         small: dict[str, Any] = {}
+        created = False
         for name, value in new_state.items():
             key = f"{slot.prefix}/{name}"
             if not (torch.is_tensor(value) and value.dim() > 0):
@@ -316,12 +348,14 @@ class SwapOptimizer(torch.optim.Optimizer):
             else:
                 self._backend.put(key, value)
                 self._state_names[slot.index].append(name)
+                created = True
         self._small[slot.index] = small
         if target is not slot.param:
             target.grad = None
         if slot.has_master:
             self._backend.mark_dirty(slot.master_key)
             slot.local.copy_(target)  # blocking: the master may be evicted right after
+        return created
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
@@ -338,7 +372,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     # -- introspection and teardown -------------------------------------------------------
     @property
-    def swap_dir(self) -> Any:
+    def swap_dir(self) -> Path:
         """The folder of the swap store."""
         return self._backend.path
 
