@@ -1,4 +1,7 @@
-"""The README's Python code blocks run, in order, in one namespace."""
+"""The README's ```python code blocks run, in order, in one namespace.
+
+Blocks fenced as ```py are fragments (the one-line drop-in at the top) and are not run.
+"""
 
 from __future__ import annotations
 

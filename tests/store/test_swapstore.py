@@ -397,3 +397,43 @@ def test_buffered_fallback_round_trip(store_path: Path) -> None:
         store.put("x", value)
         store.commit()
         assert torch.equal(store.get("x"), value)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 2 MiB filesystem (tmpfs), where the machine lets us mount one."""
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_real_disk_full_keeps_last_commit(small_disk: Path) -> None:
+    path = small_disk / "store"
+    committed = torch.arange(100_000, dtype=torch.float32)  # 400 KB
+    with ts.SwapStore(path, chunk_bytes="64KiB") as store:
+        store.put("x", committed)
+        store.commit({"step": 1})
+        with pytest.raises(OutOfSpaceError, match="disk full"):
+            store.put("x", torch.zeros(1_000_000))  # 4 MB on a 2 MiB disk
+        with pytest.raises(OutOfSpaceError):
+            store.put("y", torch.zeros(1_000_000))
+        assert store.keys() == ["x"]
+        assert torch.equal(store.get("x"), committed)
+        store.put("small", torch.ones(10))  # the failed puts gave their space back
+        store.commit({"step": 2})
+    with ts.SwapStore(path) as store:
+        assert torch.equal(store.get("x"), committed)
+        assert store.meta == {"step": 2}
+        assert store.verify() == []

@@ -42,7 +42,7 @@ def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def prepare_out(meta: ArrayMeta, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
-        return aligned_empty(meta.shape, meta.dtype, pin=False)
+        return aligned_empty(meta.shape, meta.dtype)  # pinned when CUDA is present
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
         raise InvalidTensorError(f"out= must be a CPU tensor for key {meta.key!r}")
     if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
