@@ -7,7 +7,7 @@ SWAP_DIR ?= swap
 
 .PHONY: test demo lint format bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0's CPU wheel lies on these machines; pin it so pip never pulls a CUDA build.
