@@ -94,7 +94,7 @@ class IOConfig:
     """
 
     block_bytes: int = 8 << 20
-    threads: int = 4
+    threads: int = 8
     inflight: int = 64
     direct: Literal["auto", "on", "off"] = "auto"
 

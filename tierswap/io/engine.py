@@ -133,7 +133,7 @@ class IOEngine:
         """``piece`` itself when O_DIRECT can take it, else an aligned, zero-padded copy."""
         if not self.direct or (_address(piece) % ALIGN == 0 and piece.size % ALIGN == 0):
             return piece
-        bounce = self._bounce()[: round_up(piece.size)]
+        bounce = self._bounce(round_up(piece.size))
         bounce[: piece.size] = piece
         bounce[piece.size :] = 0
         return bounce
@@ -179,7 +179,7 @@ class IOEngine:
             target = np.frombuffer(_widen(piece, want), dtype=np.uint8)
             got = self._pread_all(fd, target, offset, piece.size)
         else:
-            bounce = self._bounce()[:want]
+            bounce = self._bounce(want)
             got = self._pread_all(fd, bounce, offset, piece.size)
             piece[:] = bounce[: piece.size]
         if got < piece.size:
@@ -206,12 +206,20 @@ class IOEngine:
         except FileNotFoundError as exc:
             raise CorruptionError(f"chunk file {str(path)!r} is missing") from exc
 
-    def _bounce(self) -> np.ndarray:
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        """This thread's aligned bounce buffer, at least ``nbytes`` long.
+
+        It grows on demand (at most to ``block_bytes``), so threads that only ever bounce the
+        unaligned tail of a tensor keep a page or two rather than a whole block.
+        """
         bounce = getattr(self._local, "bounce", None)
-        if bounce is None:
-            bounce = np.frombuffer(mmap.mmap(-1, self.config.block_bytes), dtype=np.uint8)
+        if bounce is None or bounce.size < nbytes:
+            size = min(
+                max(nbytes, 2 * (0 if bounce is None else bounce.size)), self.config.block_bytes
+            )
+            bounce = np.frombuffer(mmap.mmap(-1, max(size, nbytes)), dtype=np.uint8)
             self._local.bounce = bounce
-        return bounce
+        return bounce[:nbytes]
 
 
 def _widen(piece: np.ndarray, nbytes: int) -> memoryview:
