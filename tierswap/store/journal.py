@@ -17,7 +17,9 @@ commit. Each byte is written once per commit, and disk use peaks at old state + 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -26,15 +28,18 @@ from pathlib import Path
 from tierswap.errors import CorruptionError
 
 __all__ = [
+    "HAVE_SYNCFS",
     "JOURNAL",
     "apply_in_place",
     "commit_durable",
     "STAGING",
     "CommitPlan",
     "atomic_write_bytes",
+    "fdatasync_path",
     "fsync_dir",
     "read_journal",
     "roll_forward",
+    "syncfs",
     "write_journal",
 ]
 
@@ -147,13 +152,15 @@ def commit_durable(
     plan: CommitPlan,
     documents: list[tuple[str, bytes]],
     *,
-    run_parallel: Callable[[Callable[..., None], list[tuple[Path, bytes]]], None],
+    sync_files: Callable[[list[Path]], None],
     sync_dirs: Callable[[Iterable[Path]], None],
 ) -> None:
     """Stage ``documents`` (final relpath, bytes), pass the commit point, roll forward.
 
-    ``plan.moves`` holds the chunk moves; the documents' moves are added here. If anything fails
-    before the commit point, the staged documents are removed and the store is unchanged.
+    ``plan.moves`` holds the chunk moves; the documents' moves are added here. ``sync_files``
+    must make the staged documents (and, where the chunk writes skipped it, the staged chunks)
+    durable. If anything fails before the commit point, the staged documents are removed and
+    the store is unchanged.
     """
     internal = staging.parent
     staging.mkdir(exist_ok=True)
@@ -163,8 +170,9 @@ def commit_durable(
     moves = plan.moves + tuple((str(src.relative_to(root)), dst) for src, dst in staged)
     plan = dataclasses.replace(plan, moves=moves)
     try:
-        writes = [(src, data) for (src, _), (_, data) in zip(staged, documents, strict=True)]
-        run_parallel(_write_synced, writes)
+        for (src, _dst), (_rel, data) in zip(staged, documents, strict=True):
+            src.write_bytes(data)
+        sync_files([src for src, _dst in staged])
         fsync_dir(staging)
         write_journal(internal, plan)  # <- the commit point
     except BaseException:
@@ -190,8 +198,36 @@ def apply_in_place(root: Path, plan: CommitPlan, documents: list[tuple[str, byte
         atomic_write_bytes(root / rel, data, sync=False)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fdatasync(fh.fileno())
+def fdatasync_path(path: Path) -> None:
+    """Make the data of the file at ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux/glibc: callers fall back to per-file syncs
+        return None
+
+
+_SYNCFS = _load_syncfs()
+#: True where one ``syncfs`` can replace many per-file ``fdatasync`` calls.
+HAVE_SYNCFS = _SYNCFS is not None
+
+
+def syncfs(path: Path) -> None:
+    """Flush every dirty page and inode of the filesystem holding ``path`` (one call, not one
+    per file); raises the ``OSError`` of a failed writeback."""
+    if _SYNCFS is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available on this platform")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)

@@ -232,7 +232,7 @@ class SwapStore:
 
     def _write_chunk(self, path: Path, piece: np.ndarray, file_size: int) -> int:
         try:
-            crc = self._engine.write_file(path, piece, file_size, sync=self.durable)
+            crc = self._engine.write_file(path, piece, file_size, sync=self._sync_each_chunk)
         except OSError as exc:
             raise translate_os_error(exc, f"writing {str(path)!r}") from exc
         self._count("bytes_written", piece.size, "writes")
@@ -488,7 +488,7 @@ class SwapStore:
                     self._folder.staging,
                     plan,
                     documents,
-                    run_parallel=self._run_parallel,
+                    sync_files=self._sync_files,
                     sync_dirs=self._fsync_dirs,
                 )
             else:
@@ -513,7 +513,27 @@ class SwapStore:
             return
         gather([engine.submit(fn, *args) for args in calls]).result()
 
+    @property
+    def _sync_each_chunk(self) -> bool:
+        """Whether each chunk file is fdatasync'ed as it is written.
+
+        With O_DIRECT the bytes are already on the device; only their metadata (and the drive's
+        cache) needs flushing, so a durable store defers that to one ``syncfs`` per commit phase
+        where the platform has it. Buffered writes are synced per file, so that the pages can be
+        dropped from the page cache at once.
+        """
+        return self.durable and not (self._engine.direct and journal.HAVE_SYNCFS)
+
+    def _sync_files(self, paths: list[Path]) -> None:
+        if self._sync_each_chunk:
+            self._run_parallel(journal.fdatasync_path, [(path,) for path in paths])
+        else:  # one flush makes the unsynced chunks and the staged documents durable
+            journal.syncfs(self.path)
+
     def _fsync_dirs(self, dirs: Iterable[Path]) -> None:
+        if getattr(self, "_engine", None) is not None and not self._sync_each_chunk:
+            journal.syncfs(self.path)
+            return
         self._run_parallel(journal.fsync_dir, [(path,) for path in dirs])
 
     # ================================================================== integrity
