@@ -437,3 +437,21 @@ def test_real_disk_full_keeps_last_commit(small_disk: Path) -> None:
         assert torch.equal(store.get("x"), committed)
         assert store.meta == {"step": 2}
         assert store.verify() == []
+
+
+def test_disk_use_stays_within_twice_the_state(store_path: Path) -> None:
+    state = {f"k{i}": torch.randn(256 * 1024) for i in range(4)}  # 4 MiB in all
+    nbytes = sum(v.numel() * 4 for v in state.values())
+    slack = 64 * 4096  # metadata documents and folders
+    with ts.SwapStore(store_path, chunk_bytes="256KiB") as store:
+        for key, value in state.items():
+            store.put(key, value)
+        store.commit()
+        assert store.disk_usage() <= nbytes + slack
+        for key, value in state.items():  # a full overwrite, not yet committed
+            store.put(key, value + 1)
+        assert store.disk_usage() <= 2 * nbytes + slack
+        written = store.stats()["bytes_written"]
+        store.commit()
+        assert store.stats()["bytes_written"] == written  # the commit rewrites no data byte
+        assert store.disk_usage() <= nbytes + slack
