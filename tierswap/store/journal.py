@@ -125,16 +125,7 @@ def roll_forward(
     sync_dirs: Callable[[Iterable[Path]], None],
 ) -> None:
     """Apply ``plan`` (idempotently), make it durable, then drop the journal."""
-    touched: set[Path] = set()
-    for rel in plan.unlinks:
-        path = root / rel
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        touched.add(path.parent)
-    for rel in plan.rmdirs:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            (root / rel).rmdir()
-        touched.add((root / rel).parent)
+    touched = _remove_superseded(root, plan)
     for src_rel, dst_rel in plan.moves:
         src, dst = root / src_rel, root / dst_rel
         if src.exists():
@@ -144,6 +135,21 @@ def roll_forward(
     sync_dirs(sorted(p for p in touched if p.exists()))
     (internal / JOURNAL).unlink()
     fsync_dir(internal)
+
+
+def _remove_superseded(root: Path, plan: CommitPlan) -> set[Path]:
+    """Unlink ``plan.unlinks`` and remove the emptied ``plan.rmdirs`` (each step idempotent);
+    return the folders whose entries changed."""
+    touched: set[Path] = set()
+    for rel in plan.unlinks:
+        with contextlib.suppress(FileNotFoundError):
+            (root / rel).unlink()
+        touched.add((root / rel).parent)
+    for rel in plan.rmdirs:
+        with contextlib.suppress(OSError):  # already gone, or not empty
+            (root / rel).rmdir()
+        touched.add((root / rel).parent)
+    return touched
 
 
 def commit_durable(
@@ -187,12 +193,7 @@ def commit_durable(
 
 def apply_in_place(root: Path, plan: CommitPlan, documents: list[tuple[str, bytes]]) -> None:
     """Scratch-mode commit: write documents and remove superseded files, without fsync."""
-    for rel in plan.unlinks:
-        with contextlib.suppress(FileNotFoundError):
-            (root / rel).unlink()
-    for rel in plan.rmdirs:
-        with contextlib.suppress(OSError):
-            (root / rel).rmdir()
+    _remove_superseded(root, plan)
     for rel, data in documents:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(root / rel, data, sync=False)
