@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tierswap.cli import main
-from tierswap.cli.inspect import disk_usage
 from tierswap.store import SwapStore
 
 
@@ -41,7 +40,8 @@ def test_json_lists_arrays_commit_and_disk_use(
         {"key": "scalar", "dtype": "int64", "shape": [], "nbytes": 8},
     ]
     assert data["nbytes"] == 120_028
-    assert data["disk_bytes"] == disk_usage(tmp_path / "s") >= 120_028
+    with SwapStore(tmp_path / "s", mode="r") as store:
+        assert data["disk_bytes"] == store.disk_usage() >= 120_028
 
 
 def test_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

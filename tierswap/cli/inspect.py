@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from tierswap.config import format_size
 from tierswap.errors import ConfigError
 from tierswap.store import SwapStore
 
-__all__ = ["add_parser", "collect", "disk_usage", "run"]
+__all__ = ["add_parser", "collect", "run"]
 
 
 def add_parser(commands: Any) -> None:
@@ -28,32 +27,6 @@ def add_parser(commands: Any) -> None:
     p.add_argument("dir", type=Path, metavar="DIR", help="the store's folder")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(run=run)
-
-
-def disk_usage(folder: Path) -> int:
-    """Bytes the files under ``folder`` occupy on disk (allocated blocks, like ``du``)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:  # a writer replaced it meanwhile
-                continue
-    return total
-
-
-def _stored_durable(folder: Path, fallback: bool) -> bool:
-    """The durable flag the writer recorded in the root group's attributes.
-
-    A reader's ``store.durable`` is the flag it was opened with; the store's own choice is kept
-    under ``attributes.tierswap.durable`` of the root ``zarr.json``.
-    """
-    try:
-        attrs = json.loads((folder / "zarr.json").read_text())["attributes"]["tierswap"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return fallback
-    flag = attrs.get("durable") if isinstance(attrs, dict) else None
-    return flag if isinstance(flag, bool) else fallback
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -68,10 +41,11 @@ def collect(folder: Path) -> dict[str, Any]:
         arrays = [store.info(key) for key in sorted(store.keys())]
         described = {
             "path": str(store.path),
-            "durable": _stored_durable(folder, store.durable),
+            "durable": store.durable,  # a reader reports the flag stored on disk
             "generation": store.generation,
             "meta": store.meta,
         }
+        disk_bytes = store.disk_usage()
     meta = described["meta"] if isinstance(described["meta"], dict) else {}
     described["step"] = meta.get("step")
     described["arrays"] = [
@@ -79,7 +53,7 @@ def collect(folder: Path) -> dict[str, Any]:
         for a in arrays
     ]
     described["nbytes"] = sum(a.nbytes for a in arrays)
-    described["disk_bytes"] = disk_usage(folder)
+    described["disk_bytes"] = disk_bytes
     return described
 
 

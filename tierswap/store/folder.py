@@ -177,10 +177,10 @@ class StoreFolder:
         return [f"{key}/zarr.json", *(f"{key}/c/{name}" for name in names)]
 
     def disk_usage(self) -> int:
-        """Bytes the folder's files occupy on disk (allocated blocks)."""
+        """Bytes the folder's files occupy on disk (allocated blocks, like ``du``)."""
         total = 0
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+                with contextlib.suppress(FileNotFoundError):  # a writer replaced it meanwhile
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
         return total
