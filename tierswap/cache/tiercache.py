@@ -11,15 +11,14 @@ plumbing in :mod:`tierswap.cache._core`.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
 
+from tierswap._lifetime import close_at_exit
 from tierswap.cache._core import CacheCore
 from tierswap.cache._tiers import (
     FAILED,
@@ -44,22 +43,6 @@ from tierswap.keys import validate_key
 
 __all__ = ["TierCache"]
 
-_LIVE: weakref.WeakSet[TierCache] = weakref.WeakSet()
-
-
-def _close_live_caches() -> None:
-    """Close caches left open at exit, while the store's I/O threads still take work.
-
-    Without this a cache with I/O in flight at interpreter shutdown can have its pump thread
-    touch torch while the runtime is torn down, which aborts the process. ``threading``'s
-    at-exit hooks run before the interpreter joins its threads (plain ``atexit`` runs after).
-    """
-    for cache in list(_LIVE):
-        with contextlib.suppress(Exception):
-            cache.close()
-
-
-getattr(threading, "_register_atexit", atexit.register)(_close_live_caches)
 
 TierArg = Literal["device", "host"] | None
 _DONE, _PENDING, _BLOCKED = "done", "pending", "blocked"  # outcomes of one prefetch attempt
@@ -106,7 +89,7 @@ class TierCache(CacheCore):
         }
         chosen = torch.device(device if device is not None else default)
         super().__init__(store, make_policy(policy), chosen, tiers)
-        _LIVE.add(self)
+        close_at_exit(self)
 
     # ----------------------------------------------------------------- public API
     def get(self, key: str, tier: TierArg = None) -> torch.Tensor:

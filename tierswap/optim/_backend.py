@@ -8,12 +8,10 @@ counters, scalars, hyper-parameters) travel as one pickled blob under :data:`SMA
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,29 +20,13 @@ from typing import Any
 
 import torch
 
+from tierswap._lifetime import close_at_exit
 from tierswap.optim.distributed import rank_swap_dir
 
 __all__ = ["SMALL_KEY", "StateBackend", "resolve_swap_dir"]
 
 SMALL_KEY = "optim/small"
 META_KEY = "tierswap.optim"
-
-_LIVE: weakref.WeakSet[StateBackend] = weakref.WeakSet()
-
-
-def _close_live_backends() -> None:
-    """Close backends left open at exit while the I/O threads still run.
-
-    ``threading._register_atexit`` callbacks run before the interpreter joins its threads (plain
-    ``atexit`` runs after, when the store's pools no longer take work); concurrent.futures uses
-    the same hook.
-    """
-    for backend in list(_LIVE):
-        with contextlib.suppress(Exception):
-            backend.close()
-
-
-getattr(threading, "_register_atexit", atexit.register)(_close_live_backends)
 
 
 def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
@@ -120,7 +102,7 @@ class StateBackend:
         # Write-behind: evictions of stepped partitions run here while the next one steps.
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierswap-writeback")
         self._evicting: list[Future[None]] = []
-        _LIVE.add(self)
+        close_at_exit(self)
 
     # -- tensors --------------------------------------------------------------------------
     @contextlib.contextmanager
