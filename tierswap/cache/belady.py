@@ -50,7 +50,6 @@ def simulate(
         raise ConfigError(f"sizes lacks keys {missing[:5]}; give a size for every scheduled key")
     if policy not in ("belady", "lru"):
         raise ConfigError(f"policy={policy!r} must be 'belady' or 'lru'")
-    step = _belady_step if policy == "belady" else _lru_step
     gaps = _next_use_gaps(schedule)
     first_use = {k: i for i, k in reversed(list(enumerate(schedule)))}
     held: OrderedDict[str, float] = OrderedDict()  # key -> next use time (belady) or touch
@@ -61,7 +60,10 @@ def simulate(
         reads = nbytes = 0
         for i, key in enumerate(schedule):
             now = cycle * len(schedule) + i
-            missed = step(held, key, sizes=sizes, budget=budget, now=now, next_use=now + gaps[i])
+            stamp = now + gaps[i] if policy == "belady" else now
+            missed = _step(
+                held, key, sizes=sizes, budget=budget, stamp=stamp, belady=policy == "belady"
+            )
             reads += missed
             nbytes += sizes[key] if missed else 0
         out.append(CycleReads(reads, nbytes))
@@ -81,43 +83,27 @@ def _next_use_gaps(schedule: Sequence[str]) -> list[int]:
     return gaps
 
 
-def _belady_step(
+def _step(
     resident: OrderedDict[str, float],
     key: str,
     *,
     sizes: Mapping[str, int],
     budget: int,
-    now: int,
-    next_use: int,
+    stamp: float,
+    belady: bool,
 ) -> bool:
+    """Use ``key``; return True on a miss. ``stamp`` is the key's next use (Belady, which evicts
+    the largest) or the time of this use (LRU, which evicts the oldest in order)."""
     hit = key in resident
-    if not hit and sizes[key] <= budget:
+    fits = sizes[key] <= budget
+    if not hit and fits:
         used = sum(sizes[k] for k in resident)
         while used + sizes[key] > budget:
-            victim = max(resident, key=resident.__getitem__)
+            victim = max(resident, key=resident.__getitem__) if belady else next(iter(resident))
             used -= sizes[victim]
             del resident[victim]
-    if hit or sizes[key] <= budget:
-        resident[key] = next_use
-    return not hit
-
-
-def _lru_step(
-    resident: OrderedDict[str, float],
-    key: str,
-    *,
-    sizes: Mapping[str, int],
-    budget: int,
-    now: int,
-    next_use: int,
-) -> bool:
-    hit = key in resident
-    if not hit and sizes[key] <= budget:
-        used = sum(sizes[k] for k in resident)
-        while used + sizes[key] > budget:
-            victim, _ = resident.popitem(last=False)
-            used -= sizes[victim]
-    if hit or sizes[key] <= budget:
-        resident[key] = now
-        resident.move_to_end(key)
+    if hit or fits:
+        resident[key] = stamp
+        if not belady:
+            resident.move_to_end(key)
     return not hit
