@@ -21,6 +21,7 @@ __all__ = [
     "OutOfSpaceError",
     "PinnedError",
     "ReadOnlyError",
+    "RegionError",
     "StoreClosedError",
     "StoreLockedError",
     "TierswapError",
@@ -61,6 +62,10 @@ class KeyNotFoundError(TierswapError, KeyError):
 
 class InvalidTensorError(TierswapError, ValueError):
     """A tensor (or an ``out=`` buffer) cannot be stored or filled as asked."""
+
+
+class RegionError(TierswapError, IndexError):
+    """A region (element range) that does not lie inside the stored tensor."""
 
 
 class CorruptionError(TierswapError, OSError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -28,7 +29,7 @@ import numpy as np
 from tierswap.config import ALIGN, IOConfig, round_up
 from tierswap.errors import ConfigError, CorruptionError, OutOfSpaceError
 
-__all__ = ["IOEngine", "crc_of", "gather", "translate_os_error"]
+__all__ = ["IOEngine", "crc_of", "gather", "translate_os_error", "zeros_crc"]
 
 T = TypeVar("T")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -38,6 +39,16 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def crc_of(data: np.ndarray, value: int = 0) -> int:
     """CRC32C of a uint8 array (continuing from ``value``)."""
     return crc32c.crc32c(data, value) if data.size else value
+
+
+@functools.lru_cache(maxsize=64)
+def zeros_crc(length: int) -> int:
+    """CRC32C of ``length`` zero bytes (cached: arrays repeat a few chunk lengths)."""
+    block = np.zeros(min(length, 1 << 20), dtype=np.uint8)
+    crc = 0
+    for offset in range(0, length, block.size):
+        crc = crc_of(block[: min(block.size, length - offset)], crc)
+    return crc
 
 
 def translate_os_error(exc: OSError, what: str) -> Exception:
@@ -101,12 +112,22 @@ class IOEngine:
             self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ writes
-    def write_file(self, path: Path, src: np.ndarray, file_size: int, *, sync: bool = True) -> int:
+    def write_file(
+        self,
+        path: Path,
+        src: np.ndarray,
+        file_size: int,
+        *,
+        sync: bool = True,
+        in_place: bool = False,
+    ) -> int:
         """Write ``src`` (uint8) at offset 0 of a new ``path`` of ``file_size`` bytes; return CRC.
 
         Bytes past ``src`` up to ``file_size`` read as zeros (zarr's padded edge chunk).
+        ``in_place`` overwrites an existing file of that size without truncating it first, so
+        the filesystem reuses its blocks instead of allocating new ones.
         """
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (0 if in_place else os.O_TRUNC)
         fd = self._open(path, flags)
         try:
             crc = self._write_blocks(fd, src)
@@ -117,6 +138,16 @@ class IOEngine:
             if not self.direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return crc
+        finally:
+            os.close(fd)
+
+    def allocate_file(self, path: Path, file_size: int, *, sync: bool = True) -> None:
+        """Create ``path`` as ``file_size`` bytes of zeros without writing them (a sparse file)."""
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, file_size)
+            if sync:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
 

@@ -80,6 +80,13 @@ class ArrayMeta:
         start = index * self.chunk_bytes
         return start, min(self.chunk_bytes, self.nbytes - start)
 
+    def chunk_span(self, start: int, stop: int) -> range:
+        """Indices of the chunks holding elements ``[start, stop)`` (empty for an empty range)."""
+        if stop <= start:
+            return range(0)
+        itemsize = self.dtype.itemsize
+        return range(start * itemsize // self.chunk_bytes, -(-stop * itemsize // self.chunk_bytes))
+
     def info(self) -> ArrayInfo:
         return ArrayInfo(
             self.key, self.dtype, self.shape, self.nbytes, self.chunk_bytes, self.nchunks

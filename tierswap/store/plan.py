@@ -47,7 +47,7 @@ def _depth_first(paths: Iterable[str]) -> list[str]:
 def plan_changes(
     committed: Mapping[str, ArrayMeta],
     current: Mapping[str, ArrayMeta],
-    changed: Mapping[str, list[str]],
+    changed: Mapping[str, list[str | None]],
     *,
     generation: int,
     meta: dict[str, Any],
@@ -57,8 +57,9 @@ def plan_changes(
     """Plan the commit from ``committed`` to ``current``.
 
     ``changed`` maps each key whose data or metadata changed to the relpaths of its staged
-    chunk files (empty when the chunks are already in place, as in scratch mode). ``purged``
-    maps deleted keys whose metadata was unreadable to the relpaths of their files on disk.
+    chunk files, by chunk index (``None`` for a chunk already in place: not rewritten since the
+    last commit, or written in place as in scratch mode; an empty list when none is staged).
+    ``purged`` maps deleted keys whose metadata was unreadable to the relpaths of their files.
     """
     documents: list[tuple[str, dict[str, Any]]] = []
     moves: list[tuple[str, str]] = []
@@ -67,7 +68,7 @@ def plan_changes(
     for key, staged in changed.items():
         new = current[key]
         documents.append((f"{key}/zarr.json", array_document(new)))
-        moves += [(src, chunk_relpath(key, i)) for i, src in enumerate(staged)]
+        moves += [(src, chunk_relpath(key, i)) for i, src in enumerate(staged) if src is not None]
         old = committed.get(key)
         if old is not None:
             unlinks += [chunk_relpath(key, i) for i in range(new.nchunks, old.nchunks)]

@@ -5,9 +5,17 @@ Data path: ``put`` splits a tensor into chunk files written in parallel by the I
 files and make them visible atomically at ``commit()`` (see :mod:`tierswap.store.journal`);
 scratch stores (``durable=False``) replace chunk files in place and skip every fsync.
 
+Region reads and writes (``get_region`` / ``put_region``) move an element range of a stored
+tensor: only the chunks it covers are read or written, so a tensor larger than memory can be
+streamed a slice at a time. A region write replaces whole chunk files (durable: new staged
+files, committed like a put; scratch: overwritten in place), reading and re-checking a chunk
+first only where the region covers it partly.
+
 Thread safety: all methods may be called from any thread. A put of a key waits for an earlier
-put of the same key; a get of a key waits for its in-flight put; ``commit()`` waits for every
-operation in flight and holds new ones back until it is done.
+put of the same key; a get of a key waits for its in-flight put; region operations wait only
+for the writes of the chunks they touch (and a scratch store's in-place region write for the
+reads of those chunks); ``commit()`` waits for every operation in flight and holds new ones
+back until it is done.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
 import shutil
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,12 +41,14 @@ from tierswap.config import IOConfig, Size, parse_size, round_up
 from tierswap.errors import (
     ConfigError,
     CorruptionError,
+    InvalidTensorError,
     KeyNotFoundError,
     ReadOnlyError,
+    RegionError,
     StoreClosedError,
 )
 from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import IOEngine, gather, translate_os_error
+from tierswap.io.engine import IOEngine, gather, translate_os_error, zeros_crc
 from tierswap.keys import KeyHierarchy, validate_key
 from tierswap.store import journal
 from tierswap.store.folder import StoreFolder
@@ -60,10 +72,14 @@ class _Entry:
 
     meta: ArrayMeta
     files: list[Path]
-    staged: bool = False  # chunk files live in staging (durable, not yet committed)
+    staged: set[int] = dataclasses.field(default_factory=set)  # chunks whose files are staged
     dirty: bool = False  # metadata differs from the last commit
     readers: int = 0
     retired: bool = False  # superseded; delete staged files when the last reader is done
+    garbage: list[Path] = dataclasses.field(default_factory=list)  # replaced staged chunk files
+
+    def staged_files(self) -> list[Path]:
+        return [self.files[i] for i in sorted(self.staged)]
 
 
 class SwapStore:
@@ -111,6 +127,9 @@ class SwapStore:
         self._damaged: dict[str, str] = {}
         self._purged: set[str] = set()  # damaged keys deleted since the last commit
         self._pending: dict[str, Future[None]] = {}
+        self._chunk_writes: set[tuple[str, int]] = set()  # chunks a region write is replacing
+        self._chunk_reads: Counter[tuple[str, int]] = Counter()  # chunks region reads use
+        self._region_writes: Counter[str] = Counter()  # region writes in flight per key
         self._active = 0
         self._committing = False
         self._closed = True
@@ -166,9 +185,12 @@ class SwapStore:
             self._cv.notify_all()
 
     def _wait_pending(self, key: str) -> None:
-        """Wait for an in-flight put of ``key`` (its failure is the putter's to report)."""
+        """Wait for in-flight puts and region writes of ``key`` (their failures are the
+        writer's to report)."""
         while True:
             with self._cv:
+                while self._region_writes[key] and key not in self._pending:
+                    self._cv.wait()
                 future = self._pending.get(key)
             if future is None:
                 return
@@ -186,14 +208,32 @@ class SwapStore:
         self._check_writable()
         validate_key(key)
         source = as_cpu_contiguous(tensor)
+        return self._start_put(key, source.dtype, tuple(source.shape), source)
+
+    def create(self, key: str, shape: Iterable[int], dtype: torch.dtype) -> None:
+        """Store a tensor of zeros under ``key`` without writing its bytes.
+
+        The chunk files are allocated sparsely, so this costs metadata, not a write of the whole
+        tensor: the way to make an array larger than memory, to be filled by :meth:`put_region`.
+        """
+        self._check_writable()
+        validate_key(key)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape) or not isinstance(dtype, torch.dtype):
+            raise InvalidTensorError(
+                f"create({key!r}): shape {shape} and dtype {dtype!r} are invalid"
+            )
+        as_cpu_contiguous(torch.empty(0, dtype=dtype))  # raises for dtypes that cannot be stored
+        self._start_put(key, dtype, shape, None).result()
+
+    def _start_put(
+        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], source: torch.Tensor | None
+    ) -> Future[None]:
+        """Register and start a whole-tensor write (``source=None``: zeros)."""
         self._wait_pending(key)
+        nbytes = math.prod(shape) * dtype.itemsize
         meta = ArrayMeta(
-            key,
-            source.dtype,
-            tuple(source.shape),
-            chunk_bytes_for(
-                source.numel() * source.element_size(), self.chunk_bytes, source.element_size()
-            ),
+            key, dtype, shape, chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
         )
         with self._cv:
             self._begin()
@@ -210,13 +250,18 @@ class SwapStore:
         return result
 
     def _submit_put(
-        self, meta: ArrayMeta, source: torch.Tensor, seq: int, result: Future[None]
+        self, meta: ArrayMeta, source: torch.Tensor | None, seq: int, result: Future[None]
     ) -> None:
-        flat = flat_bytes(source)
+        flat = flat_bytes(source) if source is not None else None
         paths = [self._new_chunk_path(meta.key, seq, i) for i in range(meta.nchunks)]
         futures = []
         for i, path in enumerate(paths):
             offset, length = meta.payload(i)
+            if flat is None:
+                futures.append(
+                    self._engine.submit(self._zero_chunk, path, length, meta.chunk_bytes)
+                )
+                continue
             piece = flat[offset : offset + length]
             futures.append(self._engine.submit(self._write_chunk, path, piece, meta.chunk_bytes))
         done = gather(futures)
@@ -230,13 +275,24 @@ class SwapStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         return final.with_name(f"{index}.{seq}.partial")
 
-    def _write_chunk(self, path: Path, piece: np.ndarray, file_size: int) -> int:
+    def _write_chunk(
+        self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False
+    ) -> int:
         try:
-            crc = self._engine.write_file(path, piece, file_size, sync=self._sync_each_chunk)
+            crc = self._engine.write_file(
+                path, piece, file_size, sync=self._sync_each_chunk, in_place=in_place
+            )
         except OSError as exc:
             raise translate_os_error(exc, f"writing {str(path)!r}") from exc
         self._count("bytes_written", piece.size, "writes")
         return crc
+
+    def _zero_chunk(self, path: Path, length: int, file_size: int) -> int:
+        try:
+            self._engine.allocate_file(path, file_size, sync=self._sync_each_chunk)
+        except OSError as exc:
+            raise translate_os_error(exc, f"allocating {str(path)!r}") from exc
+        return zeros_crc(length)
 
     def _finish_put(
         self,
@@ -280,10 +336,11 @@ class SwapStore:
             paths = finals
         with self._cv:
             old = self._entries.get(meta.key)
-            self._entries[meta.key] = _Entry(meta, paths, staged=self.durable, dirty=True)
+            staged = set(range(len(paths))) if self.durable else set()
+            self._entries[meta.key] = _Entry(meta, paths, staged=staged, dirty=True)
             if old is None:
                 self._names.add(meta.key)
-        if old is not None and old.staged:
+        if old is not None:
             self._retire(old)
 
     def _retire(self, entry: _Entry) -> None:
@@ -292,9 +349,9 @@ class SwapStore:
             entry.retired = True
             if entry.readers:
                 return
-        for path in entry.files:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            doomed = entry.staged_files() + entry.garbage
+            entry.garbage = []
+        _unlink_all(doomed)
 
     def delete(self, key: str) -> None:
         """Remove ``key``; the removal is durable after the next :meth:`commit`."""
@@ -312,7 +369,7 @@ class SwapStore:
             self._names.remove(key)
             if damaged is not None:
                 self._purged.add(key)
-        if entry is not None and entry.staged:
+        if entry is not None:
             self._retire(entry)
 
     def _count(self, bytes_name: str, nbytes: int, ops_name: str) -> None:
@@ -368,33 +425,226 @@ class SwapStore:
             offset, length = meta.payload(i)
             tail = spare if i == meta.nchunks - 1 else 0
             piece = flat[offset : offset + length]
-            futures.append(self._engine.submit(self._read_chunk, entry, i, piece, tail))
+            chunk = _ChunkRef(meta.key, i, entry.files[i], meta.crcs[i])
+            futures.append(self._engine.submit(self._read_chunk, chunk, piece, tail))
         return gather(futures)
 
-    def _read_chunk(self, entry: _Entry, index: int, piece: np.ndarray, spare: int) -> None:
-        key, path = entry.meta.key, entry.files[index]
+    def _read_chunk(self, chunk: _ChunkRef, piece: np.ndarray, spare: int) -> None:
         try:
-            crc = self._engine.read_file(path, piece, spare)
+            crc = self._engine.read_file(chunk.path, piece, spare)
         except CorruptionError as exc:
-            raise CorruptionError(f"key {key!r} chunk {index}: {exc}") from exc
-        if crc != entry.meta.crcs[index]:
+            raise CorruptionError(f"key {chunk.key!r} chunk {chunk.index}: {exc}") from exc
+        if crc != chunk.crc:
             raise CorruptionError(
-                f"key {key!r} chunk {index} ({str(path)!r}) fails its CRC32C check "
-                f"(stored {entry.meta.crcs[index]:08x}, read {crc:08x}); the bytes on disk are "
+                f"key {chunk.key!r} chunk {chunk.index} ({str(chunk.path)!r}) fails its CRC32C "
+                f"check (stored {chunk.crc:08x}, read {crc:08x}); the bytes on disk are "
                 "damaged: restore the store from a copy or delete and rewrite the key"
             )
         self._count("bytes_read", piece.size, "reads")
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: _Entry, chunks: Iterable[tuple[str, int]] = ()) -> None:
         with self._cv:
             entry.readers -= 1
-            unlink = entry.retired and entry.readers == 0
+            self._chunk_reads.subtract(chunks)
+            doomed: list[Path] = []
+            if entry.readers == 0:
+                doomed, entry.garbage = entry.garbage, []
+                if entry.retired:
+                    doomed += entry.staged_files()
             self._active -= 1
             self._cv.notify_all()
-        if unlink:
-            for path in entry.files:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        _unlink_all(doomed)
+
+    # ================================================================== regions
+    def get_region(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor under ``key``, as a 1-D CPU tensor.
+
+        Only the chunks holding the range are read; each is checked whole against its CRC32C.
+        """
+        return self.get_region_async(key, start, stop, out).result()
+
+    def get_region_async(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> Future[torch.Tensor]:
+        """Start reading elements ``[start, stop)`` of ``key`` into ``out`` (or a new tensor)."""
+        self._check_open()
+        validate_key(key)
+        entry, span = self._claim_region(key, start, stop, write=False)
+        chunks = [(key, i) for i in span]
+        try:
+            out = _region_out(entry.meta, stop - start, out)
+            refs = [_ChunkRef(key, i, entry.files[i], entry.meta.crcs[i]) for i in span]
+            reads = gather(
+                [
+                    self._engine.submit(self._read_region_chunk, entry.meta, ref, start, out)
+                    for ref in refs
+                ]
+            )
+        except BaseException:
+            self._release(entry, chunks)
+            raise
+        result: Future[torch.Tensor] = Future()
+
+        def _done(finished: Future[list[None]]) -> None:
+            self._release(entry, chunks)
+            error = finished.exception()
+            if error is None:
+                result.set_result(out)
+            else:
+                result.set_exception(error)
+
+        reads.add_done_callback(_done)
+        return result
+
+    def put_region(self, key: str, start: int, tensor: torch.Tensor) -> None:
+        """Overwrite elements ``[start, start + tensor.numel())`` of ``key`` with ``tensor``'s
+        (same dtype, any shape); visible to reads at once, durable after the next commit."""
+        self.put_region_async(key, start, tensor).result()
+
+    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
+        """Start a region write; do not modify ``tensor`` until the returned future is done.
+
+        A failed write leaves the key as it was (durable stores); a scratch store's in-place
+        write that fails midway leaves the chunk failing its checksum, never silently wrong.
+        """
+        self._check_writable()
+        validate_key(key)
+        source = as_cpu_contiguous(tensor).reshape(-1)
+        stop = start + source.numel() if isinstance(start, int) else start
+        entry, span = self._claim_region(key, start, stop, write=True, dtype=source.dtype)
+        seq = next(self._seq)
+        news: list[Path] = []
+        try:
+            futures = []
+            for i in span:
+                new = self._new_chunk_path(key, seq, i) if self.durable else entry.files[i]
+                news.append(new)
+                ref = _ChunkRef(key, i, entry.files[i], entry.meta.crcs[i])
+                futures.append(
+                    self._engine.submit(
+                        self._write_region_chunk, entry.meta, ref, new, start, source
+                    )
+                )
+            done = gather(futures)
+        except BaseException:
+            self._finish_region(entry, span, news, None)
+            raise
+        result: Future[None] = Future()
+
+        def _done(finished: Future[list[int]]) -> None:
+            error = self._finish_region(entry, span, news, finished)
+            if error is None:
+                result.set_result(None)
+            else:
+                result.set_exception(error)
+
+        done.add_done_callback(_done)
+        return result
+
+    def _claim_region(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        *,
+        write: bool,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[_Entry, range]:
+        """Check the region and register the operation once no write (and, for an in-place
+        write, no read) holds its chunks; returns the entry and the chunk indices."""
+        with self._cv:
+            while True:
+                while self._committing:
+                    self._cv.wait()
+                self._check_open()
+                entry = self._lookup(key)
+                span = _check_region(entry.meta, start, stop, dtype)
+                chunks = [(key, i) for i in span]
+                busy = key in self._pending or any(c in self._chunk_writes for c in chunks)
+                if write and not self.durable:
+                    busy = busy or any(self._chunk_reads[c] for c in chunks)
+                if not busy:
+                    break
+                self._cv.wait()
+            self._active += 1
+            if write:
+                self._chunk_writes.update(chunks)
+                self._region_writes[key] += 1
+            else:
+                entry.readers += 1
+                self._chunk_reads.update(chunks)
+            return entry, span
+
+    def _read_region_chunk(
+        self, meta: ArrayMeta, chunk: _ChunkRef, start: int, out: torch.Tensor
+    ) -> None:
+        """Read one chunk of a region: straight into ``out`` when the region covers it whole,
+        else whole into a scratch buffer (the CRC covers the whole chunk) and copy the part."""
+        itemsize = meta.dtype.itemsize
+        offset, length = meta.payload(chunk.index)
+        lo, hi = _overlap(offset, length, start * itemsize, out.numel() * itemsize)
+        flat = flat_bytes(out)
+        base = start * itemsize
+        if lo == offset and hi == offset + length:
+            tail = spare_bytes(out) if hi - base == flat.size else 0
+            self._read_chunk(chunk, flat[lo - base : hi - base], tail)
+            return
+        scratch = _scratch_chunk(length)
+        self._read_chunk(chunk, scratch, round_up(length) - length)
+        flat[lo - base : hi - base] = scratch[lo - offset : hi - offset]
+
+    def _write_region_chunk(
+        self, meta: ArrayMeta, chunk: _ChunkRef, target: Path, start: int, source: torch.Tensor
+    ) -> int:
+        """Write one chunk of a region to ``target``; a partly covered chunk is read (and
+        checked) first, so its other bytes are kept."""
+        itemsize = meta.dtype.itemsize
+        offset, length = meta.payload(chunk.index)
+        src, base = flat_bytes(source), start * itemsize
+        lo, hi = _overlap(offset, length, base, src.size)
+        if lo == offset and hi == offset + length:
+            piece = src[lo - base : hi - base]
+        else:
+            piece = _scratch_chunk(length)
+            self._read_chunk(chunk, piece, round_up(length) - length)
+            piece[lo - offset : hi - offset] = src[lo - base : hi - base]
+        return self._write_chunk(target, piece, meta.chunk_bytes, in_place=not self.durable)
+
+    def _finish_region(
+        self,
+        entry: _Entry,
+        span: range,
+        news: list[Path],
+        done: Future[list[int]] | None,
+    ) -> BaseException | None:
+        """Install a finished region write (or undo a failed one); returns its error."""
+        error = done.exception() if done is not None else None
+        if done is not None and error is None:
+            crcs = list(entry.meta.crcs)
+            with self._cv:
+                for i, new, crc in zip(span, news, done.result(), strict=True):
+                    crcs[i] = crc
+                    if self.durable:
+                        if i in entry.staged:
+                            entry.garbage.append(entry.files[i])
+                        entry.files[i] = new
+                        entry.staged.add(i)
+                entry.meta = dataclasses.replace(entry.meta, crcs=tuple(crcs))
+                entry.dirty = True
+        elif self.durable:
+            _unlink_all(news)
+        with self._cv:
+            self._chunk_writes.difference_update((entry.meta.key, i) for i in span)
+            self._region_writes[entry.meta.key] -= 1
+            doomed: list[Path] = []
+            if entry.readers == 0:
+                doomed, entry.garbage = entry.garbage, []
+            self._active -= 1
+            self._cv.notify_all()
+        _unlink_all(doomed)
+        return error
 
     # ================================================================== queries
     def keys(self) -> list[str]:
@@ -464,7 +714,10 @@ class SwapStore:
         generation = self.generation + 1
         current = {key: entry.meta for key, entry in self._entries.items()}
         changed = {
-            key: [str(p.relative_to(self.path)) for p in entry.files] if entry.staged else []
+            key: [
+                str(p.relative_to(self.path)) if i in entry.staged else None
+                for i, p in enumerate(entry.files)
+            ]
             for key, entry in self._entries.items()
             if entry.dirty
         }
@@ -499,7 +752,7 @@ class SwapStore:
             if entry.dirty:
                 rels = [chunk_relpath(key, i) for i in range(entry.meta.nchunks)]
                 entry.files = [self.path / r for r in rels]
-                entry.staged = entry.dirty = False
+                entry.staged, entry.dirty = set(), False
         self._committed, self.generation, self.meta = current, generation, meta
         self._purged.clear()
         return generation
@@ -571,8 +824,7 @@ class SwapStore:
                     f"expected {entry.meta.chunk_bytes}"
                 )
             self._read_chunk(
-                entry,
-                index,
+                _ChunkRef(entry.meta.key, index, path, entry.meta.crcs[index]),
                 aligned_empty((length,), torch.uint8, pin=False).numpy(),
                 round_up(length) - length,
             )
@@ -611,6 +863,62 @@ class SwapStore:
             "closed" if self._closed else f"{len(self._entries)} keys, generation {self.generation}"
         )
         return f"SwapStore({str(self.path)!r}, {kind}, {state})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkRef:
+    """One chunk file and the checksum its bytes must have, captured under the lock."""
+
+    key: str
+    index: int
+    path: Path
+    crc: int
+
+
+def _check_region(
+    meta: ArrayMeta, start: int, stop: int, dtype: torch.dtype | None = None
+) -> range:
+    """The chunk indices of elements ``[start, stop)``; raises for a bad region or dtype."""
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop))
+    if not ints or not 0 <= start <= stop <= meta.numel:
+        raise RegionError(
+            f"region [{start!r}, {stop!r}) of key {meta.key!r} is not within its {meta.numel} "
+            f"elements; pass ints with 0 <= start <= stop <= {meta.numel}"
+        )
+    if dtype is not None and dtype != meta.dtype:
+        raise InvalidTensorError(
+            f"key {meta.key!r} holds {meta.dtype}, not {dtype}; convert the tensor first"
+        )
+    return meta.chunk_span(start, stop)
+
+
+def _overlap(offset: int, length: int, start: int, nbytes: int) -> tuple[int, int]:
+    """Byte range shared by a chunk ``[offset, offset + length)`` and a region."""
+    return max(offset, start), min(offset + length, start + nbytes)
+
+
+def _scratch_chunk(length: int) -> np.ndarray:
+    """A page-aligned buffer for a whole chunk read (only partly covered chunks need one)."""
+    return aligned_empty((length,), torch.uint8, pin=False).numpy()
+
+
+def _region_out(meta: ArrayMeta, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return aligned_empty((numel,), meta.dtype)
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+        raise InvalidTensorError(f"out= for key {meta.key!r} must be a contiguous CPU tensor")
+    if out.dtype != meta.dtype or out.numel() != numel:
+        raise InvalidTensorError(
+            f"out= is {out.dtype} with {out.numel()} elements but the region of key "
+            f"{meta.key!r} is {meta.dtype} with {numel}; pass a matching tensor"
+        )
+    return out.view(-1)
+
+
+def _unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _check_json(meta: dict[str, Any]) -> None:
