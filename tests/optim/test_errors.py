@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -10,13 +12,32 @@ from tierswap.errors import ConfigError, StoreLockedError
 from tierswap.optim import SwapOptimizer
 
 
-def test_budget_below_largest_partition_names_the_minimum(tmp_path) -> None:
+def test_budget_below_one_slice_names_the_minimum(tmp_path) -> None:
     model = torch.nn.Linear(128, 64)  # weight: 8192 floats; AdamW keeps 2 x 4 bytes each
-    with pytest.raises(ConfigError, match=r"minimum is .*\(65536 bytes\)"):
-        SwapOptimizer(model.parameters(), host_budget="63KiB", swap_dir=tmp_path / "s")
-    assert min_host_budget(model.parameters(), torch.optim.AdamW) == 65536
+    # The smallest slice is one 4 KiB chunk of each state array: 1024 elements x 8 bytes.
+    with pytest.raises(ConfigError, match=r"minimum is .*\(8192 bytes\)"):
+        SwapOptimizer(model.parameters(), host_budget="4KiB", swap_dir=tmp_path / "s")
+    assert min_host_budget(model.parameters(), torch.optim.AdamW) == 8192
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
-    SwapOptimizer(model.parameters(), host_budget=65536).close()
+
+
+def test_parameter_larger_than_the_budget_is_stepped_in_slices(tmp_path) -> None:
+    plain_model = torch.nn.Linear(128, 64)
+    swap_model = copy.deepcopy(plain_model)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    # the weight's state alone is 64 KiB: eight times the budget
+    swap = SwapOptimizer(
+        swap_model.parameters(), lr=1e-2, host_budget=8192, swap_dir=tmp_path / "s"
+    )
+    with swap:
+        for x in torch.randn(3, 4, 128):
+            for model, opt in ((plain_model, plain), (swap_model, swap)):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+        assert len(swap.slices) > 8
+        assert torch.equal(plain_model.weight, swap_model.weight)
+        assert torch.equal(plain_model.bias, swap_model.bias)
 
 
 def test_device_budget_is_checked_too() -> None:
@@ -27,8 +48,9 @@ def test_device_budget_is_checked_too() -> None:
 
 def test_minimum_counts_masters_and_amsgrad_state() -> None:
     model = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
-    # fp32 master (4) + exp_avg, exp_avg_sq, max_exp_avg_sq (3 x 4) per element
-    assert min_host_budget(model.parameters(), torch.optim.AdamW, amsgrad=True) == 8192 * 16
+    # exp_avg, exp_avg_sq, max_exp_avg_sq (3 x 4), fp32 master (4) and its fp32 gradient (4)
+    # per element, for the smallest slice: one 4 KiB chunk of fp32, 1024 elements
+    assert min_host_budget(model.parameters(), torch.optim.AdamW, amsgrad=True) == 1024 * 20
 
 
 def test_minimum_counts_whole_pages() -> None:

@@ -9,11 +9,12 @@ from tierswap.errors import ConfigError
 from tierswap.optim._partition import (
     Slot,
     check_budget,
+    check_elementwise,
     master_dtype,
-    partition_slots,
+    plan_slices,
     probe_state_itemsizes,
 )
-from tierswap.optim.optimizer import _write_behind
+from tierswap.optim.optimizer import _resident_prefix
 
 
 def _slot(index: int, numel: int, dtype: torch.dtype = torch.float32) -> Slot:
@@ -47,24 +48,83 @@ def test_working_set_counts_pages_and_masters() -> None:
     assert bf16.working_set == 2 * 8192 + 8192  # fp32 master of 2048 elements
 
 
-def test_partitions_pack_in_order_and_never_split() -> None:
-    slots = [_slot(i, n) for i, n in enumerate([1024, 1024, 1024, 8192, 1024])]
-    parts = partition_slots(slots, target_bytes=3 * 8192)
-    # 8 KiB each, except slot 3 (64 KiB: larger than the target, so alone)
-    assert [[s.index for s in p.slots] for p in parts] == [[0, 1, 2], [3], [4]]
-    assert [p.index for p in parts] == [0, 1, 2]
+def _covered(slices) -> dict[int, list[tuple[int, int]]]:
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for piece in slices:
+        for seg in piece.segments:
+            ranges.setdefault(seg.slot.index, []).append((seg.start, seg.stop))
+    return ranges
+
+
+def test_small_params_share_a_slice_and_large_ones_split_at_chunks() -> None:
+    slots = [_slot(0, 100), _slot(1, 100), _slot(2, 10_000), _slot(3, 100)]
+    slices = plan_slices(slots, target_bytes=5 * 8192, chunk_bytes=4096)
+    ranges = _covered(slices)
+    # every element of every slot is covered once, in order
+    for slot in slots:
+        spans = ranges[slot.index]
+        assert spans[0][0] == 0
+        assert spans[-1][1] == slot.local.numel()
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert [s.index for s in slices[0].slots][:2] == [0, 1]  # small ones share
+    assert len(ranges[2]) > 1  # the large one spans several slices
+    for start, _stop in ranges[2]:
+        assert start % 1024 == 0  # splits at whole 4 KiB chunks of fp32
+    for piece in slices:
+        assert piece.working_set <= 5 * 8192 or len(piece.segments) == 1
+
+
+def test_one_unit_larger_than_the_target_gets_its_own_slice() -> None:
+    slices = plan_slices([_slot(0, 4096)], target_bytes=1, chunk_bytes=8192)
+    assert [(s.segments[0].start, s.segments[0].stop) for s in slices] == [(0, 2048), (2048, 4096)]
+
+
+def test_bf16_slices_count_master_and_gradient_cast() -> None:
+    slot = _slot(0, 2048, torch.bfloat16)
+    (piece,) = plan_slices([slot], target_bytes=1 << 20, chunk_bytes=4096)
+    assert piece.working_set == 2 * 8192 + 2 * 8192  # state, then fp32 master and grad
 
 
 def test_check_budget_names_the_minimum() -> None:
-    parts = partition_slots([_slot(0, 8192), _slot(1, 16)], target_bytes=1)
-    check_budget(parts, 65536, "host_budget")
+    slices = plan_slices([_slot(0, 8192), _slot(1, 16)], target_bytes=1, chunk_bytes=1 << 20)
+    check_budget(slices, 65536, "host_budget")
     with pytest.raises(ConfigError, match=r"minimum is 64\.00 KiB \(65536 bytes\)"):
-        check_budget(parts, 65535, "host_budget")
+        check_budget(slices, 65535, "host_budget")
 
 
-def test_write_behind_keeps_a_resident_prefix() -> None:
-    parts = partition_slots([_slot(i, 1024) for i in range(12)], target_bytes=8192)
-    assert len(parts) == 12
-    assert _write_behind(parts, budget=12 * 8192) == set()  # everything fits: no eviction
-    evicted = _write_behind(parts, budget=6 * 8192)
-    assert evicted == set(range(2, 12))  # the first third of the budget stays resident
+def test_resident_prefix_leaves_room_for_the_stream() -> None:
+    slices = plan_slices([_slot(i, 1024) for i in range(12)], target_bytes=8192, chunk_bytes=4096)
+    assert len(slices) == 12
+    assert _resident_prefix(slices, 12 * 8192, fits=True, lookahead=True) == set(range(12))
+    assert _resident_prefix(slices, 6 * 8192, fits=False, lookahead=True) == {0, 1}
+    assert _resident_prefix(slices, 6 * 8192, fits=False, lookahead=False) == set()
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "hyper"),
+    [
+        (torch.optim.AdamW, {"lr": 1e-3, "amsgrad": True}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (torch.optim.Adagrad, {"lr": 0.1}),
+        (torch.optim.Rprop, {"lr": 0.1}),
+        (torch.optim.ASGD, {"lr": 0.1}),
+        (torch.optim.Adadelta, {"lr": 0.1}),
+    ],
+)
+def test_per_element_optimizers_pass_the_slice_check(optimizer_class, hyper) -> None:
+    check_elementwise(optimizer_class, {"params": [], **hyper}, torch.float32)
+
+
+def test_factored_optimizers_are_refused() -> None:
+    with pytest.raises(ConfigError, match="Adafactor"):
+        check_elementwise(torch.optim.Adafactor, {"params": [], "lr": 1e-2}, torch.float32)
+
+    class RowNorm(torch.optim.SGD):  # scales each update by the whole parameter's norm
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
+
+    with pytest.raises(ConfigError, match="not per element"):
+        check_elementwise(RowNorm, {"params": [], "lr": 0.1}, torch.float32)

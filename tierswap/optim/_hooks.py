@@ -1,10 +1,11 @@
-"""Post-accumulate-grad hooks: prefetch state during backward, or step in the hook.
+"""Post-accumulate-grad hooks: start the step's I/O during backward, or step in the hook.
 
 The schedule is the reverse of registration order, which is the order gradients usually become
-final. When a parameter's gradient is final its partition's tensors are requested from the
-cache, so the first partitions ``step()`` needs are resident (or in flight) when it starts.
-With ``overlap="backward"`` the hook steps the parameter itself once its gradient has been
-accumulated ``accumulation_steps`` times, then frees the gradient.
+final. When a parameter's gradient is final the reads of its slices start at once (as far as the
+pipeline's budget allows), so the state ``step()`` needs first is in memory or in flight when it
+starts. With ``overlap="backward"`` a slice steps inside the hook as soon as the gradients of all
+its parameters are final (every ``accumulation_steps`` backward passes); a parameter's gradient
+is freed once all its slices have stepped.
 """
 
 from __future__ import annotations
@@ -39,43 +40,42 @@ def remove(handles: list[Any]) -> None:
 
 
 def new_cycle(optimizer: SwapOptimizer) -> None:
-    """Forget which partitions were prefetched: a new backward pass begins."""
-    optimizer._prefetched = set()
-    optimizer._prefetched_bytes = 0
+    """Forget which parameters were final: a new step begins."""
+    optimizer._final = set()
 
 
 def _on_grad(ref: weakref.ref[SwapOptimizer], param: torch.Tensor) -> None:
     optimizer = ref()
-    if optimizer is None or optimizer._backend._closed:
+    if optimizer is None or optimizer._backend.closed:
         return
     slot = optimizer._slot_of.get(id(param))
     if slot is None:
         return
     if optimizer._config.overlap == "backward":
-        _step_in_hook(optimizer, slot)
+        _step_in_hook(optimizer, slot.index)
     else:
-        _prefetch_partition(optimizer, slot)
+        pieces = optimizer._slices_of[slot.index]
+        optimizer._backend.pipeline.prefetch([optimizer.job(piece) for piece in pieces])
 
 
-def _prefetch_partition(optimizer: SwapOptimizer, slot: Any) -> None:
-    part = optimizer._slot_partition[slot.index]
-    if part.index in optimizer._prefetched:
-        return
-    if optimizer._prefetched_bytes + part.working_set > optimizer._tier_budget():
-        return  # would push out state needed sooner; step() prefetches the rest
-    if not optimizer._prefetched:
-        optimizer._backend.settle()  # the last step's write-behind must not race these reads
-    optimizer._prefetched.add(part.index)
-    optimizer._prefetched_bytes += part.working_set
-    optimizer._backend.prefetch(optimizer._keys(part.slots))
-
-
-def _step_in_hook(optimizer: SwapOptimizer, slot: Any) -> None:
-    count = optimizer._grad_counts.get(slot.index, 0) + 1
-    optimizer._grad_counts[slot.index] = count
+def _step_in_hook(optimizer: SwapOptimizer, index: int) -> None:
+    count = optimizer._grad_counts.get(index, 0) + 1
+    optimizer._grad_counts[index] = count
     if count % optimizer._config.accumulation_steps:
         return
-    with torch.no_grad():
-        optimizer._step_slots([slot])
-    optimizer._stepped.add(slot.index)
-    slot.param.grad = None
+    optimizer._final.add(index)
+    ready = [
+        piece
+        for piece in optimizer._slices_of[index]
+        if piece.index not in optimizer._stepped
+        and all(
+            seg.slot.index in optimizer._final or not seg.slot.param.requires_grad
+            for seg in piece.segments
+        )
+    ]
+    if ready:
+        with torch.no_grad():
+            optimizer.step_slices(ready)
+    for slot_index in {seg.slot.index for piece in ready for seg in piece.segments}:
+        if all(p.index in optimizer._stepped for p in optimizer._slices_of[slot_index]):
+            optimizer._slots[slot_index].param.grad = None

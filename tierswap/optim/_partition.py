@@ -1,9 +1,10 @@
-"""Parameter slots, state-size probing and partitioning.
+"""Parameter slots, state-size probing and slicing.
 
-A *slot* is one parameter the optimizer owns; a *partition* is a run of slots stepped together.
-Partitions follow the schedule order, which is the reverse of registration order (the order
-gradients usually become final during backward), so the state read first in ``step()`` is the
-state whose gradients arrived first.
+A *slot* is one parameter the optimizer owns; a *slice* is a fixed-size byte range of the
+flattened parameters stepped as one unit: a large parameter spans several slices, small ones
+share one, so the working set never depends on the largest parameter. Slices follow the schedule
+order, the reverse of registration order (the order gradients usually become final during
+backward), so the state read first in ``step()`` is the state whose gradients arrived first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
 
-__all__ = ["Partition", "Slot", "master_dtype", "partition_slots", "probe_state_itemsizes"]
+__all__ = [
+    "Segment",
+    "Slice",
+    "Slot",
+    "check_budget",
+    "check_elementwise",
+    "master_dtype",
+    "plan_slices",
+    "probe_state_itemsizes",
+]
 
 #: Low-precision parameter dtypes that get an fp32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -85,24 +95,23 @@ class Slot:
 
     @property
     def working_set(self) -> int:
-        """Bytes the cache holds for this slot while it steps: state plus master."""
+        """Bytes held for this slot while it steps whole: state plus master."""
         return self.state_bytes + self.master_bytes
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Host bytes per element while stepping: state, and master plus fp32 gradient."""
+        master = 2 * master_dtype(self.param).itemsize if self.has_master else 0
+        return sum(self.state_itemsizes) + master
+
+    @property
+    def min_itemsize(self) -> int:
+        """Smallest element size among the slot's stored arrays (state, master, param)."""
+        return min((*self.state_itemsizes, master_dtype(self.param).itemsize))
 
 
 def _footprint(nbytes: int) -> int:
     return max(round_up(nbytes, ALIGN), ALIGN)
-
-
-@dataclasses.dataclass
-class Partition:
-    """Slots stepped together; ``index`` is the position in the schedule."""
-
-    index: int
-    slots: list[Slot]
-
-    @property
-    def working_set(self) -> int:
-        return sum(s.working_set for s in self.slots)
 
 
 def probe_state_itemsizes(
@@ -114,11 +123,7 @@ def probe_state_itemsizes(
     the item sizes of the state tensors shaped like it (``exp_avg``, ``momentum_buffer``, ...).
     Scalars such as ``step`` are ignored: they stay in RAM.
     """
-    hyper = {k: v for k, v in group.items() if k != "params"}
-    for key in ("foreach", "fused", "capturable"):  # the probe runs on the CPU, plainly
-        hyper.pop(key, None)
-    if isinstance(hyper.get("lr"), torch.Tensor):
-        hyper["lr"] = float(hyper["lr"])
+    hyper = _probe_hyper(group)
     probe = torch.zeros(2, dtype=dtype, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     inner = optimizer_class([{"params": [probe], **hyper}])
@@ -129,31 +134,139 @@ def probe_state_itemsizes(
     )
 
 
-def partition_slots(slots: Sequence[Slot], target_bytes: int) -> list[Partition]:
-    """Pack ``slots`` (already in schedule order) into partitions of about ``target_bytes``.
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, stop)`` of one slot's flattened (local) parameter."""
 
-    A slot never splits: one larger than the target gets a partition of its own.
+    slot: Slot
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def working_set(self) -> int:
+        """Host bytes of this segment's buffers: each state and master region in whole pages,
+        plus the transient fp32 gradient of a master."""
+        numel = self.numel
+        if numel == 0:  # e.g. an empty FSDP shard: stepped for its counters, no buffers
+            return 0
+        sizes = list(self.slot.state_itemsizes)
+        if self.slot.has_master:
+            sizes += [master_dtype(self.slot.param).itemsize] * 2  # master, gradient cast
+        return sum(_footprint(numel * size) for size in sizes)
+
+
+@dataclasses.dataclass
+class Slice:
+    """A fixed-size byte range of the flattened parameters, stepped as one unit.
+
+    A large parameter spans several slices, small ones share one; ``index`` is the position in
+    the schedule.
     """
-    partitions: list[Partition] = []
-    current: list[Slot] = []
-    size = 0
+
+    index: int
+    segments: list[Segment]
+
+    @property
+    def working_set(self) -> int:
+        return sum(seg.working_set for seg in self.segments)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [seg.slot for seg in self.segments]
+
+
+def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> list[Slice]:
+    """Cut ``slots`` (already in schedule order) into slices of about ``target_bytes``.
+
+    A parameter splits only at multiples of ``chunk_bytes`` in every one of its stored arrays,
+    so each slice is a run of whole chunks on disk (read and written without touching its
+    neighbours). A single such unit larger than the target gets a slice of its own.
+    """
+    slices: list[Slice] = []
+    current: list[Segment] = []
+    room = target_bytes
     for slot in slots:
-        if current and size + slot.working_set > target_bytes:
-            partitions.append(Partition(len(partitions), current))
-            current, size = [], 0
-        current.append(slot)
-        size += slot.working_set
+        numel, per_element = slot.local.numel(), max(slot.bytes_per_element, 1)
+        unit = max(chunk_bytes // slot.min_itemsize, 1)
+        position = 0
+        while position < numel or (numel == 0 and position == 0):
+            rest = numel - position
+            take = rest if rest * per_element <= room else (room // per_element) // unit * unit
+            if take == 0 and rest:
+                if current:
+                    slices.append(Slice(len(slices), current))
+                    current, room = [], target_bytes
+                    continue
+                take = min(unit, rest)
+            segment = Segment(slot, position, position + take)
+            current.append(segment)
+            room -= segment.working_set
+            position += take
+            if numel == 0:
+                break
+            if room <= 0:
+                slices.append(Slice(len(slices), current))
+                current, room = [], target_bytes
     if current:
-        partitions.append(Partition(len(partitions), current))
-    return partitions
+        slices.append(Slice(len(slices), current))
+    return slices
 
 
-def check_budget(partitions: Sequence[Partition], budget: int, name: str) -> None:
-    """Raise :class:`ConfigError` when one partition's working set exceeds ``budget``."""
-    largest = max((p.working_set for p in partitions), default=0)
+def check_elementwise(
+    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """Raise :class:`ConfigError` unless stepping flat pieces of a parameter is bitwise equal to
+    stepping it whole with ``optimizer_class`` (true of every optimizer whose math is per
+    element; not of factored or matrix ones such as Adafactor or Muon)."""
+    hyper = _probe_hyper(group)
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(8, 16, generator=gen).to(dtype)
+    grads = [torch.randn(8, 16, generator=gen).to(dtype) for _ in range(2)]
+    pieces = whole.clone()
+    flat = pieces.view(-1)
+    try:
+        ref = optimizer_class([{"params": [whole], **hyper}])
+        split = optimizer_class([{"params": [flat[:64], flat[64:]], **hyper}])
+        for grad in grads:
+            whole.grad = grad.clone()
+            flat_grad = grad.reshape(-1)
+            for piece, start in zip(split.param_groups[0]["params"], (0, 64), strict=True):
+                piece.grad = flat_grad[start : start + 64].clone()
+            ref.step()
+            split.step()
+        same = torch.equal(whole, pieces)
+    except Exception as exc:  # e.g. an optimizer that needs 2-D parameters
+        raise ConfigError(
+            f"{optimizer_class.__name__} cannot step slices of a parameter ({exc}); tierswap "
+            "swaps optimizers whose math is per element (AdamW, SGD, Adagrad, ...)"
+        ) from exc
+    if not same:
+        raise ConfigError(
+            f"{optimizer_class.__name__} does not give the same result on slices of a parameter "
+            "as on the whole parameter (its math is not per element, e.g. factored statistics); "
+            "tierswap swaps optimizers with per-element state (AdamW, SGD, Adagrad, ...)"
+        )
+
+
+def _probe_hyper(group: dict[str, Any]) -> dict[str, Any]:
+    hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    for key in ("foreach", "fused", "capturable"):  # the probes run on the CPU, plainly
+        hyper.pop(key, None)
+    if isinstance(hyper.get("lr"), torch.Tensor):
+        hyper["lr"] = float(hyper["lr"])
+    return hyper
+
+
+def check_budget(slices: Sequence[Slice], budget: int, name: str) -> None:
+    """Raise :class:`ConfigError` when one slice's working set exceeds ``budget``."""
+    largest = max((s.working_set for s in slices), default=0)
     if largest > budget:
         raise ConfigError(
             f"{name}={format_size(budget)} ({budget} bytes) is below the working set of the "
-            f"largest partition; the minimum is {format_size(largest)} ({largest} bytes): "
+            f"largest slice; the minimum is {format_size(largest)} ({largest} bytes): "
             f"raise {name} to at least {largest}"
         )

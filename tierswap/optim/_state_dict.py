@@ -12,7 +12,9 @@ import torch
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._partition import Slot, local_tensor, master_dtype
+from tierswap.optim._slice_step import flat
 from tierswap.optim.distributed import check_world, world_meta
+from tierswap.pipeline import Region
 
 if TYPE_CHECKING:
     from tierswap.optim.optimizer import SwapOptimizer
@@ -44,9 +46,13 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def commit(optimizer: SwapOptimizer) -> int:
-    """Write params without a master, scalars and hyper-parameters; flush; commit."""
+    """Write params without a master (those the last step did not), scalars and
+    hyper-parameters; flush the resident slices; commit."""
     adopt_direct_state(optimizer)
-    params = {s.param_key: s.local for s in optimizer._slots if not s.has_master}
+    optimizer._backend.pipeline.drain()
+    written = optimizer._params_written
+    unwritten = [s for s in optimizer._slots if not s.has_master and s.index not in written]
+    optimizer.write_from_params(unwritten, masters=False)
     small = {
         "small": {i: _clone(v) for i, v in optimizer._small.items()},
         "names": dict(optimizer._state_names),
@@ -57,9 +63,10 @@ def commit(optimizer: SwapOptimizer) -> int:
         "steps": optimizer._steps,
         "optimizer": type(optimizer._inner).__name__,
         "layout": _layout(optimizer),
+        "chunk_bytes": optimizer._chunk_bytes,
         **world_meta(),
     }
-    return optimizer._backend.commit(params, small, meta)
+    return optimizer._backend.commit(small, meta)
 
 
 def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
@@ -72,6 +79,10 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
             f"({len(meta.get('layout', []))} params, optimizer {meta.get('optimizer')}); "
             "resume with the same model, param groups and tier settings, or use a new swap_dir"
         )
+    chunk = meta.get("chunk_bytes")
+    if chunk and chunk != optimizer._chunk_bytes:  # slices must follow the stored chunking
+        optimizer._chunk_bytes = chunk
+        optimizer._plan()
     small = backend.load_small()
     optimizer._small = defaultdict(dict, small["small"])
     optimizer._state_names = defaultdict(list, small["names"])
@@ -79,17 +90,12 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
         group.update(saved)
     optimizer._steps = small["steps"]
     with torch.no_grad():
-        for slot in optimizer._slots:
-            _restore_param(optimizer, slot)
-
-
-def _restore_param(optimizer: SwapOptimizer, slot: Slot) -> None:
-    backend = optimizer._backend
-    if slot.has_master:
-        with backend.hold([slot.master_key]) as held:
-            slot.local.copy_(held[slot.master_key])
-    else:
-        backend.load_param(slot.param_key, slot.local.data)
+        for piece in optimizer._slices:  # a slice at a time: the transient stays one slice
+            for seg in piece.segments:
+                slot = seg.slot
+                key = slot.master_key if slot.has_master else slot.param_key
+                values = backend.read_region(Region(key, seg.start, seg.stop))
+                flat(slot.param)[seg.start : seg.stop].copy_(values)
 
 
 def _clone(value: Any) -> Any:
@@ -102,7 +108,7 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies."""
     adopt_direct_state(optimizer)
     backend = optimizer._backend
-    backend.settle()
+    backend.pipeline.flush()
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
@@ -133,7 +139,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
     Master weights are not part of torch's format: they are refreshed from the model params.
     """
     inner = optimizer._inner
-    optimizer._backend.settle()
+    optimizer._backend.pipeline.evict()
     targets = [_load_target(optimizer, s) for s in optimizer._slots]
     position = 0
     groups = []

@@ -1,12 +1,13 @@
-"""SwapOptimizer: any torch optimizer with its state (and fp32 masters) in a tier cache.
+"""SwapOptimizer: any torch optimizer with its state (and fp32 masters) on disk, streamed.
 
 The optimizer the user names (``optimizer_class``) is instantiated once as the *inner*
-optimizer. Each ``step()`` walks the partitions in schedule order; for each it pins the
-partition's tensors in the cache, points the inner optimizer's ``param_groups`` and ``state``
-at them, runs the inner ``step()`` (so torch picks the same for-loop, foreach or fused kernel it
-would pick in memory) and hands the tensors back, dirty. Per-element math is independent across
-tensors in every torch optimizer this supports, so stepping in partitions is bitwise equal to
-stepping all at once.
+optimizer. The flattened parameters are cut into fixed-size **slices** (a large parameter spans
+several, small ones share one). Each ``step()`` runs the slices through the store's
+:class:`~tierswap.pipeline.Pipeline`: the next slices' state is read while the current one steps
+(torch's own kernel, on flat views) and the previous ones are written back, each byte read once
+and written once. A prefix of the slices that fits in the host budget beside the pipeline's
+buffers stays resident. Per-element math is independent across elements in every optimizer this
+accepts (checked at construction), so stepping in slices is bitwise equal to stepping all at once.
 """
 
 from __future__ import annotations
@@ -27,25 +28,29 @@ from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._memory import trim_heap
 from tierswap.optim._partition import (
-    Partition,
+    Slice,
     Slot,
     check_budget,
+    check_elementwise,
     local_tensor,
     master_dtype,
-    partition_slots,
+    plan_slices,
     probe_state_itemsizes,
 )
+from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
+from tierswap.pipeline import Job, Region
 
 __all__ = ["SwapOptimizer"]
 
-#: Upper bound of one partition's working set: small enough to pipeline, large enough that
-#: the per-partition overhead (a few Python calls) stays negligible.
-MAX_PARTITION_BYTES = 128 << 20
-#: Partition size when all state stays resident.
-RESIDENT_PARTITION_BYTES = 512 << 20
-#: How many partitions ahead ``step()`` prefetches while stepping one.
-PREFETCH_DEPTH = 2
+#: Upper bound of one slice's working set: large enough that the per-slice overhead (a few
+#: Python calls, one request per chunk) stays negligible, small enough to pipeline.
+MAX_SLICE_BYTES = 64 << 20
+#: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
+#: stepping, one or two being written back.
+STREAM_SLICES = 4
+#: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -120,24 +125,24 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._small: dict[int, dict[str, Any]] = defaultdict(dict)
         self._state_names: dict[int, list[str]] = defaultdict(list)
         self._steps = 0
-        self._stepped: set[int] = set()
+        self._stepped: set[int] = set()  # slices stepped in backward hooks this step
+        self._params_written: set[int] = set()  # params the last step wrote to the store
+        self._plan_of_step: StepPlan | None = None
         self.tier = "device" if config.device_budget > 0 else "host"
         self.compute_device = _compute_device(self.tier)
         for group in self.param_groups:
             self._add_slots(group)
-        self._repartition()
+        self._chunk_bytes = self._plan()
         self._backend = StateBackend(
             config.swap_dir,
-            tier=self.tier,
-            host_budget=self.host_budget,
-            device_budget=config.device_budget,
-            policy=self._policy(),
+            budget=self.host_budget,
             durable=config.durable,
             resume=config.resume,
+            chunk_bytes=self._chunk_bytes,
         )
-        # Closes the cache and store (and removes a temporary folder) when the optimizer is
+        # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
-        # then; no background work is left between steps, so nothing is lost.
+        # then; the at-exit closer of the backend handles that.
         self._finalizer = weakref.finalize(self, self._backend.close)
         self._finalizer.atexit = False
         try:
@@ -160,40 +165,49 @@ class SwapOptimizer(torch.optim.Optimizer):
             dtype = master_dtype(param)
             if dtype not in probes:
                 probes[dtype] = _probe(self._inner, group, dtype)
+            if not local_tensor(param).is_contiguous():
+                raise ConfigError(
+                    f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
+                    "steps flat slices of parameters: call .contiguous() on it before training"
+                )
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             self._slots.append(
                 Slot(len(self._slots), param, group_index, has_master, probes[dtype])
             )
 
-    def _repartition(self) -> None:
-        """Partition the slots in schedule order and check them against the budgets."""
-        total = sum(s.working_set for s in self._slots)
-        if not hasattr(self, "_backend"):  # the cache's budget is fixed once it exists
+    def _plan(self) -> int:
+        """Cut the slots into slices, choose the resident prefix, check the budgets.
+
+        Returns the chunk size for the state arrays. All state within the budget: large slices,
+        all resident. Else slices of about a ``STREAM_SLICES``-th of the budget stream through
+        the pipeline, and what the budget has left beyond them holds a resident prefix (with
+        ``policy="lookahead"``; ``"lru"`` gets no hits on a cyclic pass larger than the cache,
+        so it streams everything).
+        """
+        total = sum(s.working_set for s in self._slots) + 2 * len(self._slots) * 4096
+        if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
             configured = self._config.host_budget
             self.host_budget = configured if configured is not None else max(total, 1)
-        budget = self.host_budget
+        budget = self._tier_budget()
+        fits = total <= budget
+        target = MAX_SLICE_BYTES if fits else min(max(budget // STREAM_SLICES, 1), MAX_SLICE_BYTES)
+        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
+        self._slices: list[Slice] = plan_slices(self._slots[::-1], target, chunk)
+        check_budget(self._slices, self.host_budget, "host_budget")
         if self.tier == "device":
-            budget = min(budget, self._config.device_budget)
-        # All state resident: large partitions (no I/O to pipeline; fewer calls), bounded so the
-        # first step's freshly created state is copied into the cache a slice at a time. Else
-        # about a sixth of the budget: reads ahead, the step and writes behind fit at once.
-        if total <= budget:
-            target = RESIDENT_PARTITION_BYTES
-        else:
-            target = min(max(budget // 6, 1), MAX_PARTITION_BYTES)
-        self._partitions: list[Partition] = partition_slots(self._slots[::-1], target)
-        self._evict_after = _write_behind(self._partitions, budget)
-        check_budget(self._partitions, self.host_budget, "host_budget")
-        if self.tier == "device":
-            check_budget(self._partitions, self._config.device_budget, "device_budget")
-        self._slot_partition = {s.index: p for p in self._partitions for s in p.slots}
+            check_budget(self._slices, self._config.device_budget, "device_budget")
+        self._resident = _resident_prefix(self._slices, budget, fits, self._lookahead())
+        self._slices_of: dict[int, list[Slice]] = defaultdict(list)
+        for piece in self._slices:
+            for slot in {seg.slot.index for seg in piece.segments}:
+                self._slices_of[slot].append(piece)
         self._slot_of = {id(s.param): s for s in self._slots}
+        return chunk
 
-    def _policy(self) -> Any:
-        """The cache policy; when all state fits, eviction never happens and plain LRU (the
-        cheapest bookkeeping) stands in for the default lookahead."""
-        fits = sum(s.working_set for s in self._slots) <= self._tier_budget()
-        return "lru" if fits and self._config.policy == "lookahead" else self._config.policy
+    def _lookahead(self) -> bool:
+        policy = self._config.policy
+        name = policy if isinstance(policy, str) else type(policy).__name__.lower()
+        return "lru" not in name
 
     def _start(self, resume: bool) -> None:
         meta = self._backend.committed_meta() if resume else None
@@ -201,8 +215,28 @@ class SwapOptimizer(torch.optim.Optimizer):
             _state_dict.restore_commit(self, meta)
             return
         for slot in self._slots:
-            if slot.has_master and slot.master_key not in self._backend.known:
-                self._backend.put(slot.master_key, _master_copy(slot, self.compute_device))
+            key = slot.master_key if slot.has_master else slot.param_key
+            if key not in self._backend.known:
+                self._backend.create(key, tuple(slot.local.shape), master_dtype(slot.param))
+        self.write_from_params(self._slots, masters=True)
+
+    def write_from_params(self, slots: list[Slot], *, masters: bool) -> None:
+        """Write ``slots``' params that have no master (the committed copy) and, with
+        ``masters``, the masters of the others (cast from the params); a slice at a time, so
+        the transient stays within one slice."""
+        chosen = {slot.index for slot in slots}
+        for piece in self._slices:
+            writes: dict[Region, torch.Tensor] = {}
+            for seg in piece.segments:
+                slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
+                if slot.index not in chosen:
+                    continue
+                if slot.has_master and masters:
+                    master = values.to(master_dtype(slot.param))
+                    writes[Region(slot.master_key, seg.start, seg.stop)] = master.cpu()
+                elif not slot.has_master:
+                    writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
+            self._backend.put_regions(writes)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
@@ -213,13 +247,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not ready:
             return
         count = len(self._slots)
-        self._add_slots(self.param_groups[-1])
         try:
-            self._repartition()
+            self._add_slots(self.param_groups[-1])
+            self._backend.pipeline.evict()
+            self._plan()
         except ConfigError:  # the new group does not fit the budget: leave things as they were
             del self._slots[count:]
             self.param_groups.pop()
-            self._repartition()
+            self._plan()
             raise
         self._start(resume=False)
         _hooks.remove(self._hook_handles)
@@ -228,134 +263,91 @@ class SwapOptimizer(torch.optim.Optimizer):
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every parameter that has a gradient, partition by partition; commit when due."""
+        """Step every parameter that has a gradient, slice by slice; commit when due."""
         _state_dict.adopt_direct_state(self)  # e.g. from ZeroRedundancyOptimizer.load_state_dict
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [
-            (part, [s for s in part.slots if self._ready_to_step(s)]) for part in self._partitions
+        live = {s.index for s in self._slots if s.param.grad is not None}
+        pieces = [
+            piece
+            for piece in self._slices
+            if piece.index not in self._stepped and any(s.index in live for s in piece.slots)
         ]
-        work = [(part, live) for part, live in work if live]
-        self._backend.settle()
-        for position, (part, live) in enumerate(work):
-            self._prefetch_ahead(work, position)
-            self._step_slots(live)
-            if part.index in self._evict_after:
-                self._backend.evict_behind(self._keys(part.slots))
-        self._backend.settle()  # the last writes finish here: nothing runs between steps
-        self._stepped.clear()
-        _hooks.new_cycle(self)
+        try:
+            self.step_slices(pieces, live)
+            if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
+                for index in live:
+                    self._slots[index].param.grad = None
+        finally:
+            self._backend.pipeline.release()
+            plan, self._plan_of_step = self._plan_of_step, None
+            self._stepped.clear()
+            _hooks.new_cycle(self)
+        if plan is not None:
+            for index, small in plan.small_after.items():  # only now: hooks share small_before
+                self._small[index] = small
+        # Stepped params without a master were written with their slices when a commit is due.
+        self._params_written = plan.live if plan is not None and plan.write_params else set()
         self._steps += 1
-        every = self._config.commit_every
-        if every and self._steps % every == 0:
+        if self._params_written:
             self.commit()
         return loss
 
-    def _ready_to_step(self, slot: Slot) -> bool:
-        return slot.param.grad is not None and slot.index not in self._stepped
+    def step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
+        """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
+        plan = self._plan_of_step
+        if plan is None:
+            plan = self._plan_of_step = self._new_plan()
+        plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
+        jobs = [self.job(piece) for piece in pieces]
+        self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
+        self._stepped.update(piece.index for piece in pieces)
 
-    def _prefetch_ahead(self, work: list[tuple[Partition, list[Slot]]], position: int) -> None:
-        """Ask the cache for the next partitions' tensors while this one steps."""
-        room = self._tier_budget() - work[position][0].working_set
-        for part, live in work[position + 1 : position + 1 + PREFETCH_DEPTH]:
-            if part.working_set > room:
-                break
-            room -= part.working_set
-            self._backend.prefetch(self._keys(live))
+    def _new_plan(self) -> StepPlan:
+        """The arguments every slice's work gets during one step (kept for the whole step, so
+        slices stepped in hooks and in ``step()`` see the same state before the step)."""
+        fresh = {
+            s.index for s in self._slots if not self._state_names.get(s.index)
+            and not self._small.get(s.index)
+        }  # fmt: skip
+        return StepPlan(
+            inner=self._inner,
+            groups=self.param_groups,
+            live=set(),
+            fresh=fresh,
+            state_names=self._state_names,
+            small_before=self._small,
+            write_params=self._commit_due(),
+            compute_device=self.compute_device,
+            create=self._backend.create,
+        )
+
+    def _commit_due(self) -> bool:
+        every = self._config.commit_every
+        return bool(every) and (self._steps + 1) % every == 0
+
+    def job(self, piece: Slice) -> Job:
+        """The pipeline job of ``piece``: its reads, bytes and residency."""
+        return Job(
+            piece.index,
+            slice_reads(piece, self._state_names),
+            piece.working_set,
+            resident=piece.index in self._resident,
+        )
+
+    def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
+        created = bool(plan.fresh)
+        writes = step_slice(plan, self._slices[job.name], tensors)
+        if created:
+            trim_heap()  # the first step's state is freed after its write: free it for real
+        return writes
 
     def _tier_budget(self) -> int:
         if self.tier == "device":
             return min(self.host_budget, self._config.device_budget)
         return self.host_budget
-
-    def _keys(self, slots: Iterable[Slot]) -> list[str]:
-        keys = []
-        for slot in slots:
-            keys += [f"{slot.prefix}/{name}" for name in self._state_names[slot.index]]
-            if slot.has_master:
-                keys.append(slot.master_key)
-        return keys
-
-    def _step_slots(self, live: list[Slot]) -> None:
-        """Run the inner optimizer over ``live`` with their tensors pinned in the cache."""
-        with self._backend.hold(self._keys(live)) as held:
-            targets = {s.index: held[s.master_key] if s.has_master else s.local for s in live}
-            state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-            for slot in live:
-                target = targets[slot.index]
-                grad = local_tensor(slot.param.grad)
-                if slot.has_master:
-                    target.grad = grad.to(target.device, target.dtype)
-                elif target is not slot.param:  # a DTensor's local shard
-                    target.grad = grad
-                state[target] = self._slot_state(slot, held)
-            self._inner.state = state
-            self._inner.param_groups = self._groups_for(live, targets)
-            try:
-                self._inner.step()
-                if self.compute_device.type == "cuda":
-                    # Sync point: the step's kernels must finish before the tensors are
-                    # unpinned, since the cache may then copy them down on its own stream.
-                    torch.cuda.current_stream(self.compute_device).synchronize()
-            finally:
-                self._inner.param_groups = self._inner_groups
-                self._inner.state = defaultdict(dict)
-            created = [
-                self._collect(slot, targets[slot.index], state[targets[slot.index]], held)
-                for slot in live
-            ]
-        if any(created):
-            trim_heap()  # the freshly created state was copied into the cache: free it for real
-
-    def _slot_state(self, slot: Slot, held: dict[str, torch.Tensor]) -> dict[str, Any]:
-        state = dict(self._small.get(slot.index, {}))
-        for name in self._state_names[slot.index]:
-            state[name] = held[f"{slot.prefix}/{name}"]
-        return state
-
-    def _groups_for(
-        self, live: list[Slot], targets: dict[int, torch.Tensor]
-    ) -> list[dict[str, Any]]:
-        """Shallow copies of the live slots' groups holding the tensors to step."""
-        by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for slot in live:
-            by_group[slot.group].append(targets[slot.index])
-        return [{**self.param_groups[g], "params": by_group[g]} for g in sorted(by_group)]
-
-    def _collect(
-        self,
-        slot: Slot,
-        target: torch.Tensor,
-        new_state: dict[str, Any],
-        held: dict[str, torch.Tensor],
-    ) -> bool:
-        """Hand the stepped tensors back to the cache; keep scalars; update the model param.
-
-        Returns whether the step created new state tensors (they were copied into the cache).
-        """
-        small: dict[str, Any] = {}
-        created = False
-        for name, value in new_state.items():
-            key = f"{slot.prefix}/{name}"
-            if not (torch.is_tensor(value) and value.dim() > 0):
-                small[name] = value
-            elif key in held:
-                if value is not held[key]:
-                    held[key].copy_(value)
-                self._backend.mark_dirty(key)
-            else:
-                self._backend.put(key, value)
-                self._state_names[slot.index].append(name)
-                created = True
-        self._small[slot.index] = small
-        if target is not slot.param:
-            target.grad = None
-        if slot.has_master:
-            self._backend.mark_dirty(slot.master_key)
-            slot.local.copy_(target)  # blocking: the master may be evicted right after
-        return created
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
@@ -382,12 +374,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         return self._steps
 
     @property
-    def partitions(self) -> list[Partition]:
-        return list(self._partitions)
+    def slices(self) -> list[Slice]:
+        """The slices in schedule order."""
+        return list(self._slices)
+
+    partitions = slices  # the name of the unit before slices split parameters
 
     def tier_stats(self) -> dict[str, Any]:
-        """The cache's statistics (hits, misses, bytes per tier, stall time) as a dict."""
-        return self._backend.stats()
+        """Statistics: slice hits (resident) and misses (streamed), disk bytes and operations,
+        seconds the step waited for reads."""
+        return self._backend.stats(self.host_budget, self._config.device_budget)
 
     def close(self) -> None:
         """Release hooks, cache and store; a temporary swap folder is removed."""
@@ -404,28 +400,37 @@ class SwapOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"SwapOptimizer({type(self._inner).__name__}, params={len(self._slots)}, "
-            f"partitions={len(self._partitions)}, tier={self.tier!r}, "
+            f"slices={len(self._slices)}, tier={self.tier!r}, "
             f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
         )
 
 
-def _write_behind(partitions: list[Partition], budget: int) -> set[int]:
-    """Partitions to write back and drop right after they step, when the state exceeds ``budget``.
+def _chunk_for(target: int) -> int:
+    """Chunk size of the state arrays for slices of about ``target`` bytes: a power of two,
+    about a quarter of the slice per array, so slices split parameters finely."""
+    chunk = MIN_CHUNK_BYTES
+    while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
+        chunk *= 2
+    return chunk
 
-    In a cyclic schedule the optimal victim is the partition just stepped (Belady evicts what is
-    used furthest ahead). The first partitions, up to a third of the budget, stay resident: the
-    next step starts with them. The rest of the budget holds the pipeline: the partition
-    stepping, the ones being read ahead and the ones being written behind.
-    """
-    if sum(p.working_set for p in partitions) <= budget:
+
+def _resident_prefix(slices: list[Slice], budget: int, fits: bool, lookahead: bool) -> set[int]:
+    """Slices that stay in memory between steps: all when the state fits, else the first ones
+    up to what the budget has left beyond ``STREAM_SLICES`` slices in flight (Belady on a
+    cyclic schedule: the slice just stepped is the one needed furthest ahead, so it goes)."""
+    if fits:
+        return {piece.index for piece in slices}
+    if not lookahead:
         return set()
-    kept, evicted = 0, set()
-    for part in partitions:
-        if not evicted and kept + part.working_set <= budget // 3:
-            kept += part.working_set
-        else:
-            evicted.add(part.index)
-    return evicted
+    largest = max((piece.working_set for piece in slices), default=0)
+    room = budget - STREAM_SLICES * largest
+    kept: set[int] = set()
+    for piece in slices:
+        if piece.working_set > room:
+            break
+        room -= piece.working_set
+        kept.add(piece.index)
+    return kept
 
 
 def _check_class(optimizer_class: Any) -> None:
@@ -446,6 +451,7 @@ def _check_class(optimizer_class: Any) -> None:
 def _probe(
     inner: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
 ) -> tuple[int, ...]:
+    check_elementwise(type(inner), group, dtype)
     try:
         return probe_state_itemsizes(type(inner), group, dtype)
     except Exception as exc:
@@ -458,7 +464,3 @@ def _compute_device(tier: str) -> torch.device:
     if tier == "device" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _master_copy(slot: Slot, device: torch.device) -> torch.Tensor:
-    return slot.local.detach().to(device=device, dtype=master_dtype(slot.param), copy=True)

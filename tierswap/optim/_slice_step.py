@@ -1,0 +1,223 @@
+"""Stepping one slice: the work stage of the optimizer's pipeline.
+
+The inner torch optimizer is pointed at flat views of the slice's segments: the fp32 master
+region read from the store, or the parameter's own memory when it needs no master. Its state
+tensors are the regions read for the slice. torch's own kernel (for-loop, foreach or fused) then
+runs exactly as it would on whole parameters: every supported optimizer's math is per element
+(checked by :func:`~tierswap.optim._partition.check_elementwise`), so the result is bitwise the
+same. Everything the step needs comes in as arguments; nothing here reads the optimizer's members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tierswap.optim._partition import Segment, Slice, local_tensor
+from tierswap.pipeline import Region
+
+__all__ = ["StepPlan", "clone_small", "flat", "slice_reads", "step_slice"]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one ``step()`` hands to the work of each slice.
+
+    ``small_after`` is filled in: the scalar state (``step`` counters, ...) of each stepped slot.
+    ``create`` makes a stored array for state that the step created (first step only).
+    """
+
+    inner: torch.optim.Optimizer
+    groups: list[dict[str, Any]]
+    live: set[int]
+    fresh: set[int]
+    state_names: dict[int, list[str]]
+    small_before: dict[int, dict[str, Any]]
+    write_params: bool
+    compute_device: torch.device
+    create: Callable[[str, tuple[int, ...], torch.dtype], None]
+    small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of a parameter's (local) storage that slices index."""
+    return local_tensor(tensor).view(-1)
+
+
+def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region, ...]:
+    """The regions a slice reads: the state that exists, and each master."""
+    reads: list[Region] = []
+    for seg in piece.segments:
+        slot = seg.slot
+        reads += [_region(f"{slot.prefix}/{name}", seg) for name in state_names.get(slot.index, [])]
+        if slot.has_master:
+            reads.append(_region(slot.master_key, seg))
+    return tuple(reads)
+
+
+def step_slice(
+    plan: StepPlan, piece: Slice, tensors: dict[Region, torch.Tensor]
+) -> dict[Region, torch.Tensor]:
+    """Step the live segments of ``piece``; return the regions to write back."""
+    segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
+    if not segments:
+        return {}
+    on_device = _Device(plan.compute_device)
+    targets = [_target(seg, tensors, on_device) for seg in segments]
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for seg, target in zip(segments, targets, strict=True):
+        state[target] = _state_of(plan, seg, tensors, on_device)
+    inner = plan.inner
+    saved_groups = inner.param_groups
+    inner.state, inner.param_groups = state, _groups_for(plan.groups, segments, targets)
+    try:
+        inner.step()
+    finally:
+        inner.param_groups, inner.state = saved_groups, defaultdict(dict)
+    writes: dict[Region, torch.Tensor] = {}
+    for seg, target in zip(segments, targets, strict=True):
+        writes.update(
+            _collect(
+                plan, seg, target, new_state=state[target], tensors=tensors, on_device=on_device
+            )
+        )
+    on_device.finish()
+    return writes
+
+
+def _region(key: str, seg: Segment) -> Region:
+    return Region(key, seg.start, seg.stop)
+
+
+def _target(seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device) -> torch.Tensor:
+    """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
+    slot = seg.slot
+    grad = local_tensor(slot.param.grad).reshape(-1)[seg.start : seg.stop]
+    if slot.has_master:
+        target = on_device.take(tensors[_region(slot.master_key, seg)])
+        target.grad = grad.to(target.device, target.dtype)
+    else:
+        target = flat(slot.param)[seg.start : seg.stop]
+        target.grad = grad
+    return target
+
+
+def _state_of(
+    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device
+) -> dict[str, Any]:
+    slot = seg.slot
+    if slot.index in plan.fresh:
+        return {}  # torch creates the state, as for a parameter it has never stepped
+    state = clone_small(plan.small_before.get(slot.index, {}))
+    for name in plan.state_names.get(slot.index, []):
+        state[name] = on_device.take(tensors[_region(f"{slot.prefix}/{name}", seg)])
+    return state
+
+
+def _groups_for(
+    groups: list[dict[str, Any]], segments: list[Segment], targets: list[torch.Tensor]
+) -> list[dict[str, Any]]:
+    """Shallow copies of the segments' param groups holding the tensors to step."""
+    by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for seg, target in zip(segments, targets, strict=True):
+        by_group[seg.slot.group].append(target)
+    return [{**groups[g], "params": by_group[g]} for g in sorted(by_group)]
+
+
+def _collect(
+    plan: StepPlan,
+    seg: Segment,
+    target: torch.Tensor,
+    *,
+    new_state: dict[str, Any],
+    tensors: dict[Region, torch.Tensor],
+    on_device: _Device,
+) -> dict[Region, torch.Tensor]:
+    """Regions to write after ``seg`` stepped; updates the parameter from its master."""
+    slot = seg.slot
+    writes: dict[Region, torch.Tensor] = {}
+    small: dict[str, Any] = {}
+    names = plan.state_names.setdefault(slot.index, [])
+    for name, value in new_state.items():
+        if not (torch.is_tensor(value) and value.dim() > 0):
+            small[name] = value
+            continue
+        region = _region(f"{slot.prefix}/{name}", seg)
+        if name not in names:  # created by this first step
+            plan.create(f"{slot.prefix}/{name}", tuple(slot.local.shape), value.dtype)
+            names.append(name)
+        writes[region] = on_device.give(value, tensors.get(region))
+    plan.small_after[slot.index] = small
+    target.grad = None
+    if slot.has_master:
+        flat(slot.param)[seg.start : seg.stop].copy_(target)
+        region = _region(slot.master_key, seg)
+        writes[region] = on_device.give(target, tensors[region])
+    elif plan.write_params:
+        writes[_region(slot.param_key, seg)] = target
+    return writes
+
+
+def clone_small(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of scalar state whose tensors (``step``) torch may update in place."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+class _Device:
+    """Moves a slice's host buffers to the compute device and back (nothing on the CPU).
+
+    On CUDA the copies run on a side stream: host-to-device copies are ordered before the step
+    by an event the compute stream waits on; device-to-host copies wait for the step's event,
+    and :meth:`finish` waits for them, since the write-behind reads the host buffers next.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream = _side_stream(device) if self.cuda else None
+        self._copied_back = False
+
+    def take(self, host: torch.Tensor) -> torch.Tensor:
+        if not self.cuda or self._stream is None:
+            return host
+        with torch.cuda.stream(self._stream):
+            device_tensor = host.to(self.device, non_blocking=True)
+        h2d_event = self._stream.record_event()
+        torch.cuda.current_stream(self.device).wait_event(h2d_event)
+        return device_tensor
+
+    def give(self, value: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+        """The host tensor to write for ``value`` (copied into ``host`` when it is on device)."""
+        if value.device.type == "cpu":
+            if host is not None and value is not host and value.data_ptr() != host.data_ptr():
+                host.copy_(value.view(-1))
+                return host
+            return value.view(-1)
+        if self._stream is None:
+            return value.to("cpu").view(-1)
+        step_event = torch.cuda.current_stream(self.device).record_event()
+        self._stream.wait_event(step_event)
+        with torch.cuda.stream(self._stream):
+            if host is None:
+                host = torch.empty(value.numel(), dtype=value.dtype, pin_memory=True)
+            host.copy_(value.view(-1), non_blocking=True)
+        self._copied_back = True
+        return host
+
+    def finish(self) -> None:
+        if self._stream is not None and self._copied_back:
+            self._stream.synchronize()  # the write-behind reads the host buffers next
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
