@@ -96,9 +96,9 @@ def test_add_param_group_after_construction() -> None:
 def test_add_param_group_too_large_for_the_budget_changes_nothing() -> None:
     _, model = make_models()
     with SwapOptimizer([model.inp.bias], host_budget="8KiB") as swap:
+        # bf16: 16 bytes per element (state, master, gradient) in a slice of 1024 elements
+        big = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
         with pytest.raises(ConfigError, match="minimum"):
-            # bf16: 16 bytes per element (state, master, gradient) in a slice of 1024 elements
-            big = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
             swap.add_param_group({"params": [big]})
         assert len(swap.param_groups) == 1
         assert len(swap._slots) == 1

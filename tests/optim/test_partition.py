@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def test_small_params_share_a_slice_and_large_ones_split_at_chunks() -> None:
         spans = ranges[slot.index]
         assert spans[0][0] == 0
         assert spans[-1][1] == slot.local.numel()
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert [s.index for s in slices[0].slots][:2] == [0, 1]  # small ones share
     assert len(ranges[2]) > 1  # the large one spans several slices
     for start, _stop in ranges[2]:
