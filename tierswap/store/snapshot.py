@@ -50,6 +50,8 @@ __all__ = [
     "PROGRESS_MIN_BYTES",
     "Progress",
     "SnapshotResult",
+    "check_apart",
+    "check_destination",
     "is_shared",
     "replace_with_snapshot",
     "take_snapshot",
@@ -185,11 +187,7 @@ def replace_with_snapshot(
 
 def check_destination(root: Path, dest: Path) -> None:
     """Raise unless ``dest`` may receive a snapshot of ``root``; changes nothing."""
-    if dest == root or dest.is_relative_to(root) or root.is_relative_to(dest):
-        raise ConfigError(
-            f"snapshot destination {str(dest)!r} overlaps the store {str(root)!r}; pick a "
-            "folder outside it"
-        )
+    check_apart(root, dest)
     if dest.exists() and not dest.is_dir():
         raise SnapshotExistsError(f"snapshot destination {str(dest)!r} is a file; pass a folder")
     _check_unlocked(dest / INTERNAL_DIR)
@@ -197,6 +195,15 @@ def check_destination(root: Path, dest: Path) -> None:
         raise SnapshotExistsError(
             f"snapshot destination {str(dest)!r} is not empty; pick a new or empty folder "
             "(a snapshot never overwrites files)"
+        )
+
+
+def check_apart(root: Path, dest: Path) -> None:
+    """Raise :class:`~tierswap.errors.ConfigError` if one folder is (inside) the other."""
+    if dest == root or dest.is_relative_to(root) or root.is_relative_to(dest):
+        raise ConfigError(
+            f"snapshot destination {str(dest)!r} overlaps the store {str(root)!r}; pick a "
+            "folder outside it"
         )
 
 
