@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REFERENCE_KEY",
+    "hint_folder",
     "is_reference",
     "load_reference",
     "load_snapshot",
@@ -67,6 +68,7 @@ def reference(optimizer: SwapOptimizer, dest: str | os.PathLike[str]) -> dict[st
     return {
         REFERENCE_KEY: {
             "path": str(result.path),
+            "name": result.path.name,
             "generation": result.generation,
             "steps": optimizer.steps,
             "format": _FORMAT,
@@ -88,6 +90,12 @@ def redirected_state_dict(optimizer: SwapOptimizer) -> dict[str, Any] | None:
     return reference(optimizer, dest)
 
 
+def hint_folder(optimizer: SwapOptimizer, folder: str | os.PathLike[str] | None) -> None:
+    """The checkpoint folder the next reference is loaded from: where to look for the snapshot
+    when the absolute path it records is gone (a moved or copied checkpoint)."""
+    optimizer._snapshot_hint = None if folder is None else Path(folder).absolute()
+
+
 def is_reference(state_dict: Any) -> bool:
     return isinstance(state_dict, dict) and REFERENCE_KEY in state_dict
 
@@ -98,6 +106,10 @@ def load_reference(optimizer: SwapOptimizer, state_dict: dict[str, Any]) -> None
     if int(ref.get("format", 0)) != _FORMAT:
         raise ConfigError(f"tierswap snapshot reference {ref!r} has an unknown format")
     path = Path(ref["path"])
+    hint = getattr(optimizer, "_snapshot_hint", None)
+    optimizer._snapshot_hint = None
+    if not (path / "zarr.json").exists() and hint is not None and "name" in ref:
+        path = hint / ref["name"]  # the checkpoint folder was moved or copied
     if not (path / "zarr.json").exists():
         raise ConfigError(
             f"the optimizer checkpoint references the snapshot {str(path)!r}, which is gone; "
