@@ -130,3 +130,23 @@ def test_snapshot_errors(tmp_path: Path) -> None:
     SwapStore(tmp_path / "empty").close()
     with pytest.raises(NoCommitError):
         SwapStore(tmp_path / "empty", mode="r").snapshot(tmp_path / "s")
+
+
+def test_snapshot_commits_only_when_the_last_commit_is_stale(tmp_path: Path) -> None:
+    model, _ = make_models()
+    xs = batches(2)
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "live", **KW) as opt:
+        train_step(model, opt, xs[0])  # commit_every=1 committed this step
+        store = opt._backend.store
+        generation = store.generation
+        opt.snapshot(tmp_path / "a")
+        assert store.generation == generation  # no commit: the snapshot wrote no data
+        opt.load_state_dict(opt.state_dict())  # state changed outside step()
+        opt.snapshot(tmp_path / "b")
+        assert store.generation == generation + 1
+    with SwapOptimizer(
+        model.parameters(), swap_dir=tmp_path / "live2", commit_every=0, **KW
+    ) as opt:
+        train_step(model, opt, xs[1])
+        assert opt._backend.committed_meta() is None
+        assert opt.snapshot(tmp_path / "c").generation == 1

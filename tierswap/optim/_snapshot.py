@@ -19,6 +19,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tierswap.errors import ConfigError
 from tierswap.optim import _state_dict
 from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
@@ -40,6 +42,7 @@ __all__ = [
     "is_reference",
     "load_reference",
     "load_snapshot",
+    "mark_changed",
     "redirect",
     "redirected_state_dict",
     "reference",
@@ -55,11 +58,47 @@ _FORMAT = 1
 def snapshot(
     optimizer: SwapOptimizer, dest: str | os.PathLike[str], *, progress: bool | Progress | None
 ) -> SnapshotResult:
-    """Commit the optimizer, then keep that commit as a store in ``dest`` (new or empty)."""
+    """Commit the optimizer (unless its last commit is of this very state), then keep that
+    commit as a store in ``dest`` (new or empty)."""
     backend = optimizer._backend
     check_destination(backend.path, Path(dest).absolute())  # fail before committing
-    optimizer.commit()
+    if _needs_commit(optimizer):
+        optimizer.commit()
+        optimizer._snapshot_changed = False
     return backend.store.snapshot(dest, progress=progress)
+
+
+def _needs_commit(optimizer: SwapOptimizer) -> bool:
+    """False when the last commit already holds this state (``commit_every`` committed this
+    step), so a snapshot writes no data at all; state loaded since then forces a commit."""
+    backend = optimizer._backend
+    meta = backend.committed_meta()
+    if (
+        meta is None
+        or getattr(optimizer, "_snapshot_changed", False)
+        or meta.get("steps") != optimizer.steps
+        or len(meta.get("layout", [])) != len(optimizer._slots)
+    ):
+        return True
+    # hyper-parameters changed since (an LR scheduler steps after the optimizer's commit)
+    current = [_state_dict.hyper_parameters(g) for g in optimizer.param_groups]
+    return not _same(backend.load_small()["groups"], current)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of nested dicts, lists and tensors (``==`` is ambiguous on tensors)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def mark_changed(optimizer: SwapOptimizer) -> None:
+    """The state changed outside ``step()`` (a loaded state dict): the next snapshot commits."""
+    optimizer._snapshot_changed = True
 
 
 def reference(optimizer: SwapOptimizer, dest: str | os.PathLike[str]) -> dict[str, Any]:

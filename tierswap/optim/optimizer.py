@@ -386,13 +386,15 @@ class SwapOptimizer(torch.optim.Optimizer):
             _snapshot.load_reference(self, state_dict)
         else:
             _state_dict.load_state_dict(self, state_dict)
+            _snapshot.mark_changed(self)
 
     # -- snapshots (see tierswap.optim._snapshot) -------------------------------------------
     def snapshot(
         self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
     ) -> SnapshotResult:
-        """Commit, then keep that commit as a standalone store in the new or empty ``dest``:
-        hard links to the swap folder's files (no data copied), a copy across filesystems."""
+        """Keep the current state as a standalone store in the new or empty ``dest``: hard
+        links to the swap folder's files (no data copied), a copy across filesystems. Commits
+        first unless the last commit already holds this state (``commit_every`` did it)."""
         return _snapshot.snapshot(self, dest, progress=progress)
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
