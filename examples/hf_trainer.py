@@ -1,6 +1,13 @@
 """Hugging Face Trainer with a SwapOptimizer: a GPT-2 built from a config, no download.
 
     python examples/hf_trainer.py --swap-dir hf-swap --steps 20
+    python examples/hf_trainer.py --swap-dir hf-swap --steps 20 --save-steps 5 --save-total-limit 2
+    python examples/hf_trainer.py --swap-dir hf-swap2 --steps 20 --save-steps 5 \
+        --resume hf-output/checkpoint-10
+
+With ``--save-steps`` each checkpoint holds the optimizer as a snapshot
+(``checkpoint-N/optimizer.tierswap``, hard links to the swap folder: no state in RAM, almost
+nothing written) and a tiny ``optimizer.pt`` that references it; see docs/checkpoints.md.
 
 Needs ``pip install tierswap[hf]`` (transformers and accelerate).
 """
@@ -49,8 +56,15 @@ def train(
     output_dir: str | Path,
     host_budget: str = "8MiB",
     model_kwargs: dict | None = None,
+    save_steps: int = 0,
+    save_total_limit: int | None = None,
+    resume: str | Path | None = None,
 ) -> tuple[Trainer, GPT2LMHeadModel]:
-    """Train with a SwapOptimizer, or with plain AdamW when ``swap_dir`` is ``None``."""
+    """Train with a SwapOptimizer, or with plain AdamW when ``swap_dir`` is ``None``.
+
+    ``save_steps`` > 0 saves a checkpoint every that many steps (keeping ``save_total_limit``);
+    ``resume`` is a checkpoint folder to resume from.
+    """
     model = make_model(**(model_kwargs or {}))
     dataset = RandomTokens(64, model.config.n_positions, model.config.vocab_size)
     if swap_dir is None:
@@ -60,14 +74,16 @@ def train(
                                swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        save_total_limit=save_total_limit,
         disable_tqdm=True, lr_scheduler_type="linear", dataloader_num_workers=0,
     )  # fmt: skip
     trainer = Trainer(
         model=model, args=args, train_dataset=dataset, optimizers=(opt, None),
         callbacks=[TierswapCallback()] if swap_dir is not None else [],
     )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return trainer, model
 
 
@@ -77,9 +93,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--host-budget", default="8MiB")
     parser.add_argument("--output-dir", default="hf-output")
+    parser.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     args = parser.parse_args()
     trainer, _ = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,
-                       host_budget=args.host_budget)  # fmt: skip
+                       host_budget=args.host_budget, save_steps=args.save_steps,
+                       save_total_limit=args.save_total_limit, resume=args.resume)  # fmt: skip
     last = trainer.state.log_history[-2]  # the last training-step entry (the final is a summary)
     print({k: v for k, v in last.items() if k.startswith(("loss", "tierswap/"))})
     ts_opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else None

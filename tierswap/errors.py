@@ -18,10 +18,12 @@ __all__ = [
     "InvalidKeyError",
     "InvalidTensorError",
     "KeyNotFoundError",
+    "NoCommitError",
     "OutOfSpaceError",
     "PinnedError",
     "ReadOnlyError",
     "RegionError",
+    "SnapshotExistsError",
     "StoreClosedError",
     "StoreLockedError",
     "TierswapError",
@@ -100,3 +102,12 @@ class StoreClosedError(TierswapError, RuntimeError):
 
 class BenchmarkError(TierswapError, RuntimeError):
     """A benchmark engine or baseline tool (fio, dd) failed on the benchmark folder."""
+
+
+class SnapshotExistsError(TierswapError, FileExistsError):
+    """A snapshot's destination already holds files; snapshots go into a new or empty folder."""
+
+
+class NoCommitError(TierswapError, RuntimeError):
+    """A snapshot was asked of a store whose committed state is not on disk: it was never
+    committed, or it is a scratch store with changes made since its last commit."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +13,13 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install .[hf])")
 
-from tierswap.integrations.hf import TierswapCallback, find_swap_optimizer, flatten_stats
-from tierswap.optim import SwapOptimizer
+from tierswap.integrations.hf import (
+    SNAPSHOT_DIR,
+    TierswapCallback,
+    find_swap_optimizer,
+    flatten_stats,
+)
+from tierswap.optim import SwapOptimizer, _snapshot, _state_dict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 TINY = {"layers": 2, "dim": 64, "vocab": 512, "seq": 32}
@@ -58,3 +65,77 @@ def test_callback_commits_on_save(tmp_path) -> None:
         opt.commit = lambda: committed.append(True)
         TierswapCallback().on_save(None, None, None, optimizer=opt)
         assert committed == [True]
+
+
+def _split_snapshot(snap: Path, live: Path) -> tuple[int, int]:
+    """(bytes of the snapshot's private files, bytes it shares with ``live``) - asserting that
+    every chunk file is the live folder's own file."""
+    private = shared = 0
+    for path in snap.rglob("*"):
+        if not path.is_file():
+            continue
+        if path.name == "zarr.json":
+            private += path.stat().st_size
+        else:
+            assert os.path.samefile(path, live / path.relative_to(snap)), path
+            shared += path.stat().st_size
+    return private, shared
+
+
+def test_checkpoints_hold_snapshots_and_resume_bit_exact(tmp_path, monkeypatch) -> None:
+    example = _example()
+    _, plain_model = example.train(None, steps=6, output_dir=tmp_path / "plain", model_kwargs=TINY)
+
+    gather = _state_dict.state_dict
+
+    def never_after_a_step(optimizer):  # accelerate round-trips the empty state at prepare()
+        if optimizer.steps:
+            raise AssertionError("a checkpoint gathered the optimizer state into RAM")
+        return gather(optimizer)
+
+    monkeypatch.setattr(_state_dict, "state_dict", never_after_a_step)
+    run = {"steps": 6, "host_budget": "256KiB", "model_kwargs": TINY, "save_steps": 2}
+    full, full_model = example.train(
+        tmp_path / "swap", output_dir=tmp_path / "out", save_total_limit=2, **run
+    )
+    opt = find_swap_optimizer(full.optimizer)
+    try:
+        kept = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+        assert kept == ["checkpoint-4", "checkpoint-6"]  # save_total_limit rotated checkpoint-2
+        newest = tmp_path / "out" / "checkpoint-6"
+        private, shared = _split_snapshot(newest / SNAPSHOT_DIR, opt.swap_dir)
+        written = private + (newest / "optimizer.pt").stat().st_size
+        assert written < 0.1 * shared  # the state itself was never written again
+    finally:
+        opt.close()
+    for a, b in zip(plain_model.parameters(), full_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # resume from the older retained checkpoint, into a fresh swap folder and the same output
+    loaded = []
+    load_snapshot = _snapshot.load_snapshot
+    monkeypatch.setattr(
+        _snapshot, "load_snapshot", lambda o, p: (loaded.append(o.steps), load_snapshot(o, p))
+    )
+    resumed, resumed_model = example.train(
+        tmp_path / "swap2", output_dir=tmp_path / "out", save_total_limit=2,
+        resume=tmp_path / "out" / "checkpoint-4", **run,
+    )  # fmt: skip
+    assert loaded == [0]  # the reference in checkpoint-4/optimizer.pt was loaded, at step 0
+    resumed_opt = find_swap_optimizer(resumed.optimizer)
+    assert resumed_opt.steps == 6
+    resumed_opt.close()
+    for a, b in zip(plain_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_callback_without_optimizer_save_only_commits(tmp_path) -> None:
+    model = torch.nn.Linear(4, 4)
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+    state = SimpleNamespace(global_step=3)
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", commit_every=0) as opt:
+        callback = TierswapCallback()
+        callback.on_step_end(args, state, SimpleNamespace(should_save=True), optimizer=opt)
+        callback.on_save(args, state, None, optimizer=opt)  # save_only_model: no state_dict()
+        assert "state" in opt.state_dict()  # disarmed: torch's own format again
+        assert opt._backend.store.generation == 1
+    assert not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""The ``tierswap`` command line: ``bench`` (measure and tune), ``inspect`` and ``verify``.
+"""The ``tierswap`` command line: ``bench`` (measure and tune), ``inspect``, ``verify`` and
+``snapshot``.
 
 ``main(argv)`` returns the exit status instead of exiting, so it can be called from Python and
 tests; the ``tierswap`` console script and ``python -m tierswap`` both run it. Exit status: 0 on
@@ -23,16 +24,16 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subcommand per module."""
-    from tierswap.cli import bench, inspect, verify
+    from tierswap.cli import bench, inspect, snapshot, verify
 
     parser = argparse.ArgumentParser(
         prog="tierswap",
         description="Tiered GPU / host / NVMe swap space for PyTorch: disk benchmark and tuner, "
-        "store inspection and verification.",
+        "store inspection, verification and snapshots.",
     )
     parser.add_argument("--version", action="version", version=f"tierswap {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (bench, inspect, verify):
+    for module in (bench, inspect, verify, snapshot):
         module.add_parser(commands)
     return parser
 

@@ -31,6 +31,7 @@ class SwapConfig:
     resume: bool = False
     overlap: str | None = None
     accumulation_steps: int = 1
+    resume_from: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -49,5 +50,11 @@ class SwapConfig:
             raise ConfigError(f"overlap={self.overlap!r} must be None or 'backward'")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
+        if self.resume_from is not None:
+            if self.swap_dir is None:
+                raise ConfigError(
+                    "resume_from needs swap_dir: the folder the resumed run will swap to"
+                )
+            object.__setattr__(self, "resume", True)
         if self.resume and self.swap_dir is None:
             raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")

@@ -45,6 +45,10 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
+#: What a commit stores of a param group (its hyper-parameters), for comparisons.
+hyper_parameters = _hyper
+
+
 def commit(optimizer: SwapOptimizer) -> int:
     """Write params without a master (those the last step did not), scalars and
     hyper-parameters; flush the resident slices; commit."""

@@ -23,7 +23,7 @@ import torch
 
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.errors import ConfigError
-from tierswap.optim import _hooks, _state_dict
+from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._memory import trim_heap
@@ -40,6 +40,7 @@ from tierswap.optim._partition import (
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
+from tierswap.store.snapshot import Progress, SnapshotResult
 
 __all__ = ["SwapOptimizer"]
 
@@ -79,6 +80,10 @@ class SwapOptimizer(torch.optim.Optimizer):
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
+    resume_from:
+        A snapshot (:meth:`snapshot`, or a trainer checkpoint's ``optimizer.tierswap`` folder)
+        to resume from: ``swap_dir`` is replaced by hard links to it (a copy across
+        filesystems), then the run resumes as with ``resume=True``. The snapshot is not changed.
     overlap:
         ``"backward"`` steps each parameter in its post-accumulate-grad hook as soon as its
         gradient is final (every ``accumulation_steps`` backward passes). It cannot honour
@@ -101,11 +106,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         resume: bool = False,
         overlap: str | None = None,
         accumulation_steps: int = 1,
+        resume_from: str | os.PathLike[str] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
             swap_dir, host_budget, device_budget, policy, durable, commit_every, resume, overlap,
-            accumulation_steps,
+            accumulation_steps, resume_from=resume_from,
         )  # fmt: skip
         _check_class(optimizer_class)
         self._setup(optimizer_class(params, **optimizer_kwargs), config)
@@ -133,6 +139,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             self._add_slots(group)
         self._chunk_bytes = self._plan()
+        if config.resume_from is not None and config.swap_dir is not None:
+            _snapshot.seed_swap_dir(config.swap_dir, config.resume_from)
         self._backend = StateBackend(
             config.swap_dir,
             budget=self.host_budget,
@@ -355,12 +363,45 @@ class SwapOptimizer(torch.optim.Optimizer):
         return _state_dict.commit(self)
 
     def state_dict(self) -> dict[str, Any]:
-        """The state in torch's own format (materialised in host RAM, as CPU tensors)."""
-        return _state_dict.state_dict(self)
+        """The state in torch's own format (materialised in host RAM, as CPU tensors).
+
+        After :meth:`redirect_state_dict`, the next call instead takes a snapshot and returns
+        the small reference dict of :meth:`snapshot_state_dict`.
+        """
+        redirected = _snapshot.redirected_state_dict(self)
+        return redirected if redirected is not None else _state_dict.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict in torch's format (from this class or the plain optimizer)."""
-        _state_dict.load_state_dict(self, state_dict)
+        """Load a state dict in torch's format (from this class or the plain optimizer), or a
+        snapshot reference from :meth:`snapshot_state_dict`."""
+        if _snapshot.is_reference(state_dict):
+            _snapshot.load_reference(self, state_dict)
+        else:
+            _state_dict.load_state_dict(self, state_dict)
+            _snapshot.mark_changed(self)
+
+    # -- snapshots (see tierswap.optim._snapshot) -------------------------------------------
+    def snapshot(
+        self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
+    ) -> SnapshotResult:
+        """Keep the current state as a standalone store in the new or empty ``dest``: hard
+        links to the swap folder's files (no data copied), a copy across filesystems. Commits
+        first unless the last commit already holds this state (``commit_every`` did it)."""
+        return _snapshot.snapshot(self, dest, progress=progress)
+
+    def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
+        """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
+        :meth:`load_state_dict` accepts (a trainer checkpoint that never materialises)."""
+        return _snapshot.reference(self, dest)
+
+    def redirect_state_dict(self, dest: str | os.PathLike[str] | None) -> None:
+        """Make the next :meth:`state_dict` call return :meth:`snapshot_state_dict` of ``dest``
+        (``None`` cancels). For trainers that save ``optimizer.state_dict()`` themselves."""
+        _snapshot.redirect(self, dest)
+
+    def load_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """Replace the swap folder by the snapshot at ``path`` and resume from it."""
+        _snapshot.load_snapshot(self, path)
 
     # -- introspection and teardown -------------------------------------------------------
     @property

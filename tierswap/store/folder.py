@@ -127,17 +127,46 @@ class StoreFolder:
     def load(self, *, through_journal: bool) -> Index:
         """Read the committed index; a reader passes ``through_journal`` to see a commit that
         a writer has made but not yet rolled forward."""
-        redirect: dict[str, Path] = {}
-        removed: set[str] = set()
-        plan = journal.read_journal(self.internal) if through_journal else None
-        if plan is not None:
-            redirect = {d: self.root / s for s, d in plan.moves if (self.root / s).exists()}
-            removed = set(plan.unlinks)
+        redirect, removed = self._journal_view() if through_journal else ({}, set())
+        return self._load(redirect, removed)
+
+    def _journal_view(self) -> tuple[dict[str, Path], set[str]]:
+        """(final relpath -> staged file not yet moved there, relpaths the commit removes)."""
+        plan = journal.read_journal(self.internal)
+        if plan is None:
+            return {}, set()
+        redirect = {d: self.root / s for s, d in plan.moves if (self.root / s).exists()}
+        return redirect, set(plan.unlinks)
+
+    def _load(self, redirect: dict[str, Path], removed: set[str]) -> Index:
         generation, meta, durable = parse_root_document(self._read_doc("zarr.json", redirect))
         index = Index(generation, meta, {}, {}, durable)
         for rel in sorted(self._metadata_files(redirect) - removed):
             self._load_array(index, rel, redirect)
         return index
+
+    def committed_files(self) -> tuple[int, dict[str, Path]]:
+        """The last commit as files: ``(generation, {relpath in the store: file holding it})``.
+
+        Read through a pending journal, like a reader. Lists the root and internal group
+        documents, every node's ``zarr.json`` and every array's chunk files (for an array whose
+        metadata is damaged, whatever chunk files its folder holds). Never the journal, the
+        staging folder or the lock.
+        """
+        redirect, removed = self._journal_view()
+        index = self._load(redirect, removed)
+        files = {"zarr.json": redirect.get("zarr.json", self.root / "zarr.json")}
+        if (self.internal / "zarr.json").exists():
+            files[f"{INTERNAL_DIR}/zarr.json"] = self.internal / "zarr.json"
+        for rel in self._metadata_files(redirect) - removed:
+            files[rel] = redirect.get(rel, self.root / rel)
+        for key, (meta, paths) in index.arrays.items():
+            files.update(
+                (chunk_relpath(key, i), path) for i, path in enumerate(paths[: meta.nchunks])
+            )
+        for key in index.damaged:
+            files.update((rel, self.root / rel) for rel in self.files_of(key))
+        return index.generation, files
 
     def _load_array(self, index: Index, rel: str, redirect: dict[str, Path]) -> None:
         key = rel.removesuffix("/zarr.json")

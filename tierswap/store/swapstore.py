@@ -43,6 +43,7 @@ from tierswap.errors import (
     CorruptionError,
     InvalidTensorError,
     KeyNotFoundError,
+    NoCommitError,
     ReadOnlyError,
     RegionError,
     StoreClosedError,
@@ -59,6 +60,7 @@ from tierswap.store.layout import (
     chunk_relpath,
 )
 from tierswap.store.plan import plan_changes
+from tierswap.store.snapshot import Progress, SnapshotResult, take_snapshot
 from tierswap.store.tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
 
 __all__ = ["SwapStore"]
@@ -831,6 +833,43 @@ class SwapStore:
         except (CorruptionError, OSError) as exc:
             return str(exc)
         return None
+
+    # ================================================================== snapshots
+    def snapshot(
+        self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
+    ) -> SnapshotResult:
+        """Keep the last commit as a standalone store in the new or empty folder ``dest``.
+
+        Chunk files are hard links on the same filesystem (no data copied) and copies
+        elsewhere (see :mod:`tierswap.store.snapshot`); uncommitted puts are not part of it.
+        Commits, reads and writes wait while the files are listed and linked (not while they
+        are copied). Neither store changes the other afterwards.
+        """
+        self._check_open()
+        hold = None if self.readonly else self._commits_held
+        return take_snapshot(self.path, dest, hold=hold, progress=progress)
+
+    @contextlib.contextmanager
+    def _commits_held(self) -> Iterator[None]:
+        """The commit gate, held: the committed files stay where they are inside the block."""
+        with self._cv:
+            while self._committing:
+                self._cv.wait()
+            self._check_open()
+            self._committing = True
+            while self._active:
+                self._cv.wait()
+        try:
+            if not self.durable and (self._purged or any(e.dirty for e in self._entries.values())):
+                raise NoCommitError(
+                    f"scratch store {str(self.path)!r} changed since its last commit and wrote "
+                    "over it in place; call commit() before taking a snapshot"
+                )
+            yield
+        finally:
+            with self._cv:
+                self._committing = False
+                self._cv.notify_all()
 
     # ================================================================== lifetime
     def close(self) -> None:
