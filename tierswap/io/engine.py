@@ -34,6 +34,8 @@ __all__ = ["IOEngine", "crc_of", "gather", "translate_os_error", "zeros_crc"]
 T = TypeVar("T")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+#: Largest bounce buffer per I/O thread: unaligned data moves in pieces of this size.
+BOUNCE_BYTES = 1 << 20
 
 
 def crc_of(data: np.ndarray, value: int = 0) -> int:
@@ -153,7 +155,7 @@ class IOEngine:
 
     def _write_blocks(self, fd: int, src: np.ndarray) -> int:
         crc = 0
-        block = self.config.block_bytes
+        block = self._block_for(src)
         for offset in range(0, src.size, block):
             piece = src[offset : offset + block]
             crc = crc_of(piece, crc)
@@ -195,7 +197,7 @@ class IOEngine:
 
     def _read_blocks(self, fd: int, path: Path, dst: np.ndarray, spare: int) -> int:
         crc = 0
-        block = self.config.block_bytes
+        block = self._block_for(dst)
         for offset in range(0, dst.size, block):
             piece = dst[offset : offset + block]
             tail_spare = spare if offset + block >= dst.size else 0
@@ -237,17 +239,23 @@ class IOEngine:
         except FileNotFoundError as exc:
             raise CorruptionError(f"chunk file {str(path)!r} is missing") from exc
 
+    def _block_for(self, data: np.ndarray) -> int:
+        """Request size for ``data``: ``block_bytes``, or at most :data:`BOUNCE_BYTES` when
+        O_DIRECT must copy it through the bounce buffer (so that buffer stays small)."""
+        if self.direct and _address(data) % ALIGN:
+            return min(self.config.block_bytes, BOUNCE_BYTES)
+        return self.config.block_bytes
+
     def _bounce(self, nbytes: int) -> np.ndarray:
         """This thread's aligned bounce buffer, at least ``nbytes`` long.
 
-        It grows on demand (at most to ``block_bytes``), so threads that only ever bounce the
-        unaligned tail of a tensor keep a page or two rather than a whole block.
+        It grows on demand (at most to ``BOUNCE_BYTES`` plus a page), so threads that only
+        ever bounce the unaligned tail of a tensor keep a page or two rather than a whole block.
         """
         bounce = getattr(self._local, "bounce", None)
         if bounce is None or bounce.size < nbytes:
-            size = min(
-                max(nbytes, 2 * (0 if bounce is None else bounce.size)), self.config.block_bytes
-            )
+            grown = max(nbytes, 2 * (0 if bounce is None else bounce.size))
+            size = min(grown, self.config.block_bytes, BOUNCE_BYTES)
             bounce = np.frombuffer(mmap.mmap(-1, max(size, nbytes)), dtype=np.uint8)
             self._local.bounce = bounce
         return bounce[:nbytes]

@@ -26,7 +26,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._memory import trim_heap
+from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._partition import (
     Slice,
     Slot,
@@ -119,6 +119,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     # -- construction ---------------------------------------------------------------------
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
         self._ready = False
+        fix_mmap_threshold()  # slice-sized transients go back to the OS when freed
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
         # handed to offload()) moves into the swap space through load_state_dict below.
