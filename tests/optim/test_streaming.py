@@ -1,0 +1,119 @@
+"""The streaming step: bitwise equal in slices, each byte read once and written once, bounded."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from tests.optim.test_optimizer import OPTIMIZERS
+from tierswap.optim import SwapOptimizer
+
+
+class Mixed(torch.nn.Module):
+    """A parameter much larger than a slice, beside small ones that share slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(96, 512)  # 49152 weights: 48 chunks of 4 KiB in fp32
+        self.small = torch.nn.Linear(512, 3)
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(torch.tanh(self.big(x))) * self.scale
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_split_and_share_parameters_bitwise(name: str, dtype: torch.dtype) -> None:
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    plain_model = Mixed().to(dtype)
+    swap_model = copy.deepcopy(plain_model)
+    if dtype == torch.bfloat16:  # the reference: fp32 masters stepped in memory
+        masters = [p.detach().float().requires_grad_() for p in plain_model.parameters()]
+        plain = optimizer_class(masters, **kwargs)
+    else:
+        plain = optimizer_class(plain_model.parameters(), **kwargs)
+    swap = SwapOptimizer(swap_model.parameters(), optimizer_class, host_budget="120KiB", **kwargs)
+    with swap:
+        assert any(len(s.segments) > 1 for s in swap.slices), "no slice shared by parameters"
+        weight = swap_model.big.weight
+        split = [s for s in swap.slices if any(g.slot.param is weight for g in s.segments)]
+        assert len(split) > 1, "the large parameter was not split"
+        for x in torch.randn(4, 5, 96):
+            _step(swap_model, swap, x.to(dtype))
+            if dtype == torch.bfloat16:
+                plain.zero_grad()
+                plain_model.zero_grad()
+                plain_model(x.to(dtype)).float().square().mean().backward()
+                for master, param in zip(masters, plain_model.parameters(), strict=True):
+                    master.grad = param.grad.float()
+                plain.step()
+                with torch.no_grad():
+                    for master, param in zip(masters, plain_model.parameters(), strict=True):
+                        param.copy_(master)
+            else:
+                _step(plain_model, plain, x)
+        for a, b in zip(plain_model.parameters(), swap_model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_each_state_byte_is_read_once_and_written_once_per_step(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Mixed()
+    numel = sum(p.numel() for p in model.parameters())
+    swap = SwapOptimizer(
+        model.parameters(), lr=1e-3, host_budget="40KiB", commit_every=0, swap_dir=tmp_path / "s"
+    )
+    with swap:
+        assert not swap._resident, "the budget holds no resident slice: every byte streams"
+        xs = torch.randn(4, 5, 96)
+        _step(model, swap, xs[0])  # creates the state (sparse files, then one write)
+        swap._backend.pipeline.drain()  # the last writes of a step end during the next one
+        for x in xs[1:]:
+            before = swap.tier_stats()["nvme"]
+            _step(model, swap, x)
+            swap._backend.pipeline.drain()
+            after = swap.tier_stats()["nvme"]
+            state = 2 * 4 * numel  # exp_avg and exp_avg_sq, fp32
+            assert after["bytes_read"] - before["bytes_read"] == state
+            assert after["bytes_written"] - before["bytes_written"] == state
+        # a due commit adds the parameters' bytes once, written with their slices
+        swap._config = dataclasses.replace(swap._config, commit_every=1)
+        before = swap.tier_stats()["nvme"]
+        _step(model, swap, xs[0])
+        after = swap.tier_stats()["nvme"]
+        assert after["bytes_read"] - before["bytes_read"] == state
+        written = after["bytes_written"] - before["bytes_written"]
+        assert state + 4 * numel <= written < state + 4 * numel + 64 * 1024  # + metadata
+
+
+def test_pipeline_holds_at_most_the_host_budget() -> None:
+    torch.manual_seed(0)
+    model = Mixed()
+    swap = SwapOptimizer(model.parameters(), lr=1e-3, host_budget="40KiB")
+    with swap:
+        pipeline = swap._backend.pipeline
+        held: list[int] = []
+        original = pipeline.prefetch
+
+        def watch(jobs):
+            result = original(jobs)
+            held.append(pipeline.held)
+            return result
+
+        pipeline.prefetch = watch
+        for x in torch.randn(3, 5, 96):
+            _step(model, swap, x)
+        assert held
+        assert max(held) <= 40 * 1024
+        assert max(held) > max(s.working_set for s in swap.slices)  # more than one in flight

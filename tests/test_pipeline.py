@@ -1,0 +1,132 @@
+"""The streaming pipeline: read-ahead / work / write-behind within a byte budget."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierswap as ts
+from tierswap.errors import BudgetError, OutOfSpaceError
+from tierswap.pipeline import Job, Pipeline, Region
+
+CHUNK = 4096
+NUMEL = 10 * 1024  # ten chunks of float32
+
+
+def _jobs(resident: frozenset[int] = frozenset()) -> list[Job]:
+    """Five jobs: one of two small keys, and four of two chunks each of the large key."""
+    jobs = [Job("small", (Region("a", 0, 100), Region("b", 0, 100)), 2 * CHUNK, 0 in resident)]
+    for i in range(4):
+        reads = (Region("big", 2048 * i, 2048 * (i + 1)),)
+        jobs.append(Job(i + 1, reads, 2 * CHUNK, i + 1 in resident))
+    return jobs
+
+
+def _double(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+    for tensor in tensors.values():
+        tensor.mul_(2)
+    return dict(tensors)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with ts.SwapStore(tmp_path / "s", chunk_bytes=CHUNK) as store:
+        store.put("a", torch.arange(100.0))
+        store.put("b", -torch.arange(100.0))
+        store.put("big", torch.arange(float(NUMEL)))
+        yield store
+
+
+def test_each_byte_is_read_once_and_written_once(store) -> None:
+    pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
+    held: list[int] = []
+
+    def work(job, tensors):
+        held.append(pipeline.held)
+        return _double(job, tensors)
+
+    before = store.stats()
+    pipeline.run(_jobs(), work)
+    pipeline.drain()
+    after = store.stats()
+    state_bytes = (100 + 100 + 8192) * 4
+    assert after["bytes_read"] - before["bytes_read"] == state_bytes
+    assert after["bytes_written"] - before["bytes_written"] == state_bytes
+    assert max(held) <= pipeline.budget
+    assert max(held) > 2 * CHUNK  # it did read ahead
+    assert pipeline.held == 0
+    assert torch.equal(store.get("big")[:8192], 2 * torch.arange(8192.0))
+    assert torch.equal(store.get("big")[8192:], torch.arange(8192.0, NUMEL))
+    assert torch.equal(store.get("b"), -2 * torch.arange(100.0))
+
+
+def test_resident_jobs_read_once_and_write_at_flush(store) -> None:
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    jobs = _jobs(resident=frozenset({0, 1}))
+    pipeline.run(jobs, _double)
+    pipeline.drain()
+    reads_after_first = store.stats()["bytes_read"]
+    pipeline.run(jobs, _double)
+    pipeline.drain()
+    assert pipeline.hits == 2
+    # the second pass read only the three streamed jobs
+    assert store.stats()["bytes_read"] - reads_after_first == 3 * 2048 * 4
+    assert torch.equal(store.get("a"), torch.arange(100.0))  # not yet written back
+    pipeline.flush()
+    assert torch.equal(store.get("a"), 4 * torch.arange(100.0))
+    assert torch.equal(store.get("big")[:2048], 4 * torch.arange(2048.0))
+    assert pipeline.held == 2 * 2 * CHUNK  # the resident jobs stay in memory
+
+
+def test_prefetch_starts_reads_without_blocking(store) -> None:
+    pipeline = Pipeline(store, budget=2 * 2 * CHUNK)
+    jobs = _jobs()
+    pipeline.prefetch(jobs)  # room for two: the rest is not started
+    assert pipeline.held == 2 * 2 * CHUNK
+    pipeline.run(jobs, _double)
+    pipeline.drain()
+    assert store.stats()["reads"] == 2 + 8  # every chunk once: the prefetched reads were used
+    pipeline.prefetch(jobs[:1])
+    pipeline.release()  # prefetched, never consumed
+    assert pipeline.held == 0
+
+
+def test_a_job_larger_than_the_budget_is_refused(store) -> None:
+    pipeline = Pipeline(store, budget=CHUNK)
+    with pytest.raises(BudgetError, match="does not fit"):
+        pipeline.run(_jobs()[1:2], _double)
+    assert pipeline.held == 0
+
+
+def test_failing_work_and_writes_release_everything(store) -> None:
+    pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
+
+    def broken(job, tensors):
+        raise RuntimeError("work failed")
+
+    with pytest.raises(RuntimeError, match="work failed"):
+        pipeline.run(_jobs(), broken)
+    pipeline.release()
+    assert pipeline.held == 0
+
+    class FullDisk:
+        """The store, except that region writes fail as on a full disk."""
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_region_async(self, key, start, tensor):
+            failed: Future[None] = Future()
+            failed.set_exception(OutOfSpaceError("disk full"))
+            return failed
+
+    failing = Pipeline(FullDisk(), budget=3 * 2 * CHUNK)
+    with pytest.raises(OutOfSpaceError):  # raised by run() once a write-behind has failed
+        failing.run(_jobs(), _double)
+    failing.release()
+    failing.drain()  # the failure was reported once
+    assert failing.held == 0
+    assert torch.equal(store.get("a"), torch.arange(100.0))
