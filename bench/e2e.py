@@ -223,6 +223,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict[str
             "disk_per_iter": _per_iteration(ok, "disk", args),
             "swap_bytes_per_iter": _per_iteration(ok, "swap_bytes", args),
             "failed_rounds": len(results) - len(ok),
+            "nonzero_exits": sum(1 for r in ok if r.get("exit_code")),
         }
     return summary
 
@@ -273,6 +274,9 @@ def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
             f"{_ratio(row['median_s'], best_ds):>9} {format_size(row['peak_rss']):>11} "
             f"{_mb(row['disk_per_iter']):>19}"
         )
+        if row["failed_rounds"] or row["nonzero_exits"]:
+            print(f"  ({row['failed_rounds']} round(s) failed, {row['nonzero_exits']} exited "
+                  "non-zero after printing a result; see the JSON)")  # fmt: skip
 
 
 def print_targets(report: dict[str, Any]) -> None:
