@@ -306,6 +306,7 @@ def _machine() -> dict[str, Any]:
     ).stdout.strip()  # fmt: skip
     return {
         "cpus": os.cpu_count(),
+        "load_average_1_5_15_min": os.getloadavg(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "commit": commit,
