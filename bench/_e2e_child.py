@@ -1,0 +1,205 @@
+"""One configuration of ``bench/e2e.py``, in this process: time training iterations, print JSON.
+
+    python bench/_e2e_child.py --config ram|tierswap|deepspeed [--options JSON] --dir DIR
+
+This file imports only torch at the top, so the DeepSpeed configurations can run under another
+interpreter (a venv with torch + deepspeed and without tierswap); ``tierswap`` and
+``deepspeed`` are imported only by the configuration that needs them. The last line printed is
+one JSON object: the per-iteration times, peak RSS, the process's disk bytes per iteration
+(``/proc/self/io``) and, for tierswap, its tier statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BATCH = 8
+LR = 1e-4
+
+
+def build_model(width: int, depth: int) -> torch.nn.Sequential:
+    """``depth`` x (Linear(width, width) + GELU), then Linear(width, 1): 100.7M params at 4096."""
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    layers.append(torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def _data(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, width), torch.randn(BATCH, 1)
+
+
+def _disk_bytes() -> dict[str, int]:
+    """Bytes this process made the block layer read and write (O_DIRECT included)."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(": ") for line in text.splitlines())
+    return {"read": int(fields["read_bytes"]), "written": int(fields["write_bytes"])}
+
+
+Counters = Callable[[], dict[str, int]]
+DISK: dict[str, Counters] = {"disk": _disk_bytes} if Path("/proc/self/io").exists() else {}
+
+
+def _time_iterations(
+    iterate: Callable[[], None], iters: int, counters: dict[str, Counters]
+) -> dict[str, list]:
+    """Run ``iterate`` ``iters`` times: each one's wall time and the growth of each counter.
+
+    The counters are read outside the timed part.
+    """
+    result: dict[str, list] = {"times": [], **{name: [] for name in counters}}
+    for _ in range(iters):
+        before = {name: read() for name, read in counters.items()}
+        start = time.perf_counter()
+        iterate()
+        result["times"].append(time.perf_counter() - start)
+        for name, read in counters.items():
+            after = read()
+            result[name].append({k: after[k] - before[name][k] for k in after})
+    return result
+
+
+def _torch_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -> Callable:
+    x, y = _data(width)
+
+    def iterate() -> None:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return iterate
+
+
+def run_ram(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.optim.AdamW with all state in RAM."""
+    torch.manual_seed(0)
+    model = build_model(args.width, args.depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0)
+    return _time_iterations(_torch_loop(model, opt, args.width), args.iters, DISK)
+
+
+def _nvme_counter(opt: torch.optim.Optimizer) -> Counters | None:
+    """Bytes the optimizer's NVMe tier read and wrote, when its ``tier_stats()`` says."""
+    stats_of = getattr(opt, "tier_stats", None)
+    nvme = stats_of().get("nvme") if stats_of is not None else None
+    if not isinstance(nvme, dict) or not {"bytes_read", "bytes_written"} <= nvme.keys():
+        return None
+
+    def read() -> dict[str, int]:
+        nvme = stats_of()["nvme"]
+        return {"read": nvme["bytes_read"], "written": nvme["bytes_written"]}
+
+    return read
+
+
+def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
+    """tierswap.SwapOptimizer around torch.optim.AdamW, with the mode's keyword arguments."""
+    import tierswap
+
+    torch.manual_seed(0)
+    model = build_model(args.width, args.depth)
+    opt = tierswap.SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0, swap_dir=args.dir,
+        host_budget=args.host_budget, **json.loads(args.options),
+    )  # fmt: skip
+    counters = dict(DISK)
+    nvme = _nvme_counter(opt)
+    if nvme is not None:
+        counters["swap_bytes"] = nvme
+    try:
+        result = _time_iterations(_torch_loop(model, opt, args.width), args.iters, counters)
+        if hasattr(opt, "tier_stats"):
+            result["tier_stats"] = opt.tier_stats()
+    finally:
+        opt.close()
+    return result
+
+
+def deepspeed_config(args: argparse.Namespace, pipelined: bool) -> dict[str, Any]:
+    """ZeRO-3 with the optimizer state offloaded to NVMe (ZeRO-Infinity), as the issue sets it."""
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 4_000_000,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": args.dir,
+                "pin_memory": True,
+                "buffer_count": 12 if pipelined else 4,
+                "pipeline_read": pipelined,
+                "pipeline_write": pipelined,
+            },
+        },
+        "aio": {
+            "block_size": 1 << 20,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
+    }
+
+
+def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
+    """A single-process DeepSpeed engine on the CPU accelerator (the parent sets the env)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = build_model(args.width, args.depth)
+    config = deepspeed_config(args, json.loads(args.options).get("pipelined", False))
+    engine, _opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    x, y = _data(args.width)
+
+    def iterate() -> None:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+    try:
+        result = _time_iterations(iterate, args.iters, DISK)
+    finally:
+        engine.destroy()
+    return {**result, "deepspeed": deepspeed.__version__}
+
+
+RUNNERS = {"ram": run_ram, "tierswap": run_tierswap, "deepspeed": run_deepspeed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=sorted(RUNNERS), required=True)
+    p.add_argument("--options", default="{}", help="JSON: SwapOptimizer kwargs / DeepSpeed mode")
+    p.add_argument("--dir", required=True, help="swap folder of this run")
+    p.add_argument("--host-budget", type=int, default=128 << 20, help="bytes")
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=6)
+    args = p.parse_args()
+    faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where
+    result = RUNNERS[args.config](args)
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Benchmark: one training iteration with optimizer state in RAM, in tierswap, in ZeRO-Infinity.
+
+    PYTHONPATH=. python bench/e2e.py --rounds 2 --deepspeed-python /work/dsvenv/bin/python
+
+The model is 6 x (Linear(4096, 4096) + GELU) + Linear(4096, 1), 100.7M fp32 parameters; one
+iteration is forward on ``randn(8, 4096)``, MSE loss against ``randn(8, 1)``, backward, optimizer
+step and zero_grad, with AdamW (lr 1e-4, weight decay 0) and ``torch.manual_seed(0)``. Each
+configuration runs in its own process (so its peak RSS is its own), all of them once per round,
+rounds interleaved so that machine load hits them alike; the figure is the median of iterations
+2..--iters over all rounds (iteration 1 creates the state).
+
+  ram           torch.optim.AdamW, all state in RAM
+  <mode>        tierswap.SwapOptimizer(..., host_budget="128MiB", **MODES[mode]), see MODES
+  ds-default    DeepSpeed ZeRO-3, optimizer state offloaded to NVMe, buffer_count 4
+  ds-pipelined  the same with pipeline_read / pipeline_write and buffer_count 12
+
+The I/O bound is the bytes tierswap's default mode reads and writes per iteration (its
+``tier_stats()``) at fio's sequential O_DIRECT bandwidth on the same folder (tierswap's shared
+fio engine, a write then a read after the page cache was dropped, once per round). Targets:
+DeepSpeed's best / tierswap default >= 1.5, tierswap default / max(ram, I/O bound) <= 1.15.
+
+DeepSpeed runs under the interpreter --deepspeed-python names (default: this one) and is
+skipped, with a note, when that interpreter cannot import it. Its child imports only torch and
+deepspeed (bench/_e2e_child.py), so a separate venv works:
+
+    python3 -m venv /work/dsvenv
+    /work/dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8
+    apt-get install -y libaio-dev   # headers for DeepSpeed's async_io op
+
+On a machine without a GPU it runs single-process on DeepSpeed's CPU accelerator:
+``DS_ACCELERATOR=cpu``, ``RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
+MASTER_PORT=<free port>`` and ``deepspeed.init_distributed(dist_backend="gloo")``. DeepSpeed
+0.19.8 needed no other workaround there. Its first run JIT-compiles the ops it uses (async_io,
+cpu_adam, pin_memory, deepspeed_shm_comm) into ~/.cache/torch_extensions: about 5 minutes on 2
+cores, paid once by the first DeepSpeed configuration of the first round (the compile happens
+in ``deepspeed.initialize``, before the timed iterations). In one of about 30 runs a DeepSpeed
+child aborted with "terminate called without an active exception" (not reproduced since): a
+failed process is reported as such and the other configurations go on; a result it printed
+before failing is kept and flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tierswap.cli._engines import FioEngine, which  # noqa: E402
+from tierswap.cli._measure import bench_folder, run_trial  # noqa: E402
+from tierswap.config import format_size, parse_size  # noqa: E402
+
+CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
+
+#: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "backward": {"overlap": "backward"},
+    "nocommit": {"commit_every": 0},
+    "nocommit-backward": {"commit_every": 0, "overlap": "backward"},
+}
+#: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
+DEEPSPEED: dict[str, dict[str, Any]] = {
+    "ds-default": {"pipelined": False},
+    "ds-pipelined": {"pipelined": True},
+}
+TARGET_VS_DEEPSPEED = 1.5
+TARGET_VS_BOUND = 1.15
+
+
+def _state_bytes(width: int, depth: int) -> int:
+    """AdamW's exp_avg + exp_avg_sq of the model, fp32."""
+    params = depth * (width * width + width) + width + 1
+    return 2 * 4 * params
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _deepspeed_missing(python: str) -> str | None:
+    """Why ``python`` cannot run DeepSpeed, or None when it imports."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import deepspeed"],
+            capture_output=True, text=True, env=env, timeout=300, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python}: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return f"{python} cannot import deepspeed: {lines[-1] if lines else proc.returncode}"
+
+
+def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tuple[list, dict]:
+    """The command line and environment of one configuration's process."""
+    env = dict(os.environ)
+    common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
+    common += ["--width", str(args.width), "--depth", str(args.depth)]
+    if config == "ram":
+        return [sys.executable, str(CHILD), "--config", "ram", *common], env
+    if config in MODES:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        options = ["--options", json.dumps(MODES[config]), "--host-budget", str(args.host_budget)]
+        return [sys.executable, str(CHILD), "--config", "tierswap", *options, *common], env
+    env.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    options = ["--options", json.dumps(DEEPSPEED[config])]
+    return [args.deepspeed_python, str(CHILD), "--config", "deepspeed", *options, *common], env
+
+
+def _stderr_tail(stderr: str, lines: int = 8) -> str:
+    """The last lines of a child's stderr, without the warnings torch and DeepSpeed repeat."""
+    noise = ("Warning", "return func(", "[WARNING]")
+    kept = [line for line in stderr.strip().splitlines() if not any(n in line for n in noise)]
+    return " | ".join(kept[-lines:])
+
+
+def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, Any]:
+    """Run one configuration in a fresh process; its JSON result, or the error it ended with.
+
+    A process that printed its result and then failed (on exit, say) keeps its result, with the
+    exit code and the end of its stderr.
+    """
+    cmd, env = _child_command(args, config, swap_dir)
+    swap_dir.mkdir(parents=True)
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    finally:
+        shutil.rmtree(swap_dir, ignore_errors=True)
+    lines = proc.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        return {"error": f"exit {proc.returncode}: {_stderr_tail(proc.stderr)}"}
+    result = json.loads(lines[-1])
+    if proc.returncode != 0:
+        result.update(exit_code=proc.returncode, stderr_tail=_stderr_tail(proc.stderr))
+    return result
+
+
+def _fio_trial(folder: Path, nbytes: int) -> dict[str, float] | None:
+    """fio's sequential O_DIRECT write and read bandwidth (bytes/s), or None without fio."""
+    binary = which("fio")
+    if binary is None:
+        return None
+    sample, _ = run_trial(FioEngine(nbytes, binary=binary), folder)
+    return {"write": sample.write_bps, "read": sample.read_bps}
+
+
+def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The configurations to run, and a note when DeepSpeed's are skipped."""
+    configs = ["ram", *args.modes]
+    if args.no_deepspeed:
+        return configs, "DeepSpeed skipped (--no-deepspeed)"
+    missing = _deepspeed_missing(args.deepspeed_python)
+    if missing is not None:
+        return configs, f"DeepSpeed skipped: {missing}"
+    return configs + list(DEEPSPEED), None
+
+
+def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[str, Any]:
+    """All configurations once per round, interleaved, with a fio trial at the start of each."""
+    runs: dict[str, list[dict]] = {config: [] for config in configs}
+    fio: list[dict[str, float]] = []
+    nbytes = _state_bytes(args.width, args.depth)
+    for round_ in range(args.rounds):
+        bandwidth = _fio_trial(folder, nbytes)
+        if bandwidth is not None:
+            fio.append(bandwidth)
+        for config in configs:
+            start = time.perf_counter()
+            result = _spawn(args, config, folder / f"{config}-r{round_}")
+            runs[config].append(result)
+            took = time.perf_counter() - start
+            status = result.get("error") or f"{statistics.median(_timed(result, args)):.3f} s/iter"
+            print(f"round {round_ + 1}/{args.rounds} {config:<18} {status} ({took:.0f} s)")
+    return {"runs": runs, "fio": fio}
+
+
+def _timed(result: dict[str, Any], args: argparse.Namespace) -> list[float]:
+    """The iterations that count: 2..--iters (the first creates the optimizer state)."""
+    return result.get("times", [])[1 : args.iters]
+
+
+def _per_iteration(results: list[dict], key: str, args: argparse.Namespace) -> dict | None:
+    """Median bytes read and written per counted iteration of a counter (``disk``, ...)."""
+    rows = [row for r in results for row in r.get(key, [])[1 : args.iters]]
+    if not rows:
+        return None
+    return {k: statistics.median(row[k] for row in rows) for k in ("read", "written")}
+
+
+def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration: median and range of the counted iterations, peak RSS, bytes moved."""
+    summary = {}
+    for config, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        times = [t for r in ok for t in _timed(r, args)]
+        if not times:
+            summary[config] = {"error": results[-1].get("error", "no iterations")}
+            continue
+        summary[config] = {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+            "peak_rss": max(r["peak_rss"] for r in ok),
+            "disk_per_iter": _per_iteration(ok, "disk", args),
+            "swap_bytes_per_iter": _per_iteration(ok, "swap_bytes", args),
+            "failed_rounds": len(results) - len(ok),
+            "nonzero_exits": sum(1 for r in ok if r.get("exit_code")),
+        }
+    return summary
+
+
+def io_bound(moved: dict[str, float] | None, fio: list[dict[str, float]]) -> float | None:
+    """Seconds to read and write ``moved`` bytes at fio's median sequential bandwidth."""
+    if moved is None or not fio:
+        return None
+    read_bps = statistics.median(f["read"] for f in fio)
+    write_bps = statistics.median(f["write"] for f in fio)
+    return moved["read"] / read_bps + moved["written"] / write_bps
+
+
+def targets(summary: dict[str, dict], bound: float | None) -> dict[str, float | None]:
+    """tierswap default against the best DeepSpeed configuration and against max(ram, bound)."""
+    default = summary.get("default", {}).get("median_s")
+    ram = summary.get("ram", {}).get("median_s")
+    ds = [summary[c]["median_s"] for c in DEEPSPEED if "median_s" in summary.get(c, {})]
+    best_ds = min(ds) if ds else None
+    vs_ds = best_ds / default if default and best_ds else None
+    floor = max(ram, bound or 0.0) if ram else None
+    return {
+        "best_deepspeed_s": best_ds,
+        "default_speedup_vs_best_deepspeed": vs_ds,
+        "default_vs_max_ram_io_bound": default / floor if default and floor else None,
+    }
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
+def _mb(moved: dict[str, float] | None) -> str:
+    return "-" if moved is None else f"{moved['read'] / 1e6:.0f} / {moved['written'] / 1e6:.0f}"
+
+
+def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
+    ram = summary.get("ram", {}).get("median_s")
+    head = f"{'config':<18} {'s/iter (min-max)':<22} {'x ram':>7} {'x best DS':>9} "
+    print(head + f"{'peak RSS':>11} {'disk MB/iter r / w':>19}")
+    for config, row in summary.items():
+        if "error" in row:
+            print(f"{config:<18} FAILED: {row['error']}")
+            continue
+        spread = f"{row['median_s']:.3f} ({row['min_s']:.3f}-{row['max_s']:.3f})"
+        print(
+            f"{config:<18} {spread:<22} {_ratio(row['median_s'], ram):>7} "
+            f"{_ratio(row['median_s'], best_ds):>9} {format_size(row['peak_rss']):>11} "
+            f"{_mb(row['disk_per_iter']):>19}"
+        )
+        if row["failed_rounds"] or row["nonzero_exits"]:
+            print(f"  ({row['failed_rounds']} round(s) failed, {row['nonzero_exits']} exited "
+                  "non-zero after printing a result; see the JSON)")  # fmt: skip
+
+
+def print_targets(report: dict[str, Any]) -> None:
+    fio, bound, goals = report["fio"], report["io_bound_s"], report["targets"]
+    if bound is not None:
+        moved = report["summary"]["default"]["swap_bytes_per_iter"]  # the bound exists: it ran
+        read = format_size(statistics.median(f["read"] for f in fio))
+        write = format_size(statistics.median(f["write"] for f in fio))
+        print(f"I/O bound {bound:.3f} s/iter: tierswap default moves {_mb(moved)} MB per iteration "
+              f"(tier_stats); fio O_DIRECT read {read}/s, write {write}/s")  # fmt: skip
+    vs_ds = goals["default_speedup_vs_best_deepspeed"]
+    if vs_ds is not None:
+        verdict = "PASS" if vs_ds >= TARGET_VS_DEEPSPEED else "FAIL"
+        print(f"tierswap default vs best DeepSpeed: {vs_ds:.2f}x faster "
+              f"(goal >= {TARGET_VS_DEEPSPEED}x) {verdict}")  # fmt: skip
+    vs_bound = goals["default_vs_max_ram_io_bound"]
+    if vs_bound is not None:
+        verdict = "PASS" if vs_bound <= TARGET_VS_BOUND else "FAIL"
+        print(f"tierswap default / max(ram, I/O bound): {vs_bound:.2f}x "
+              f"(goal <= {TARGET_VS_BOUND}x) {verdict}")  # fmt: skip
+
+
+def _machine() -> dict[str, Any]:
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15_min": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def report_of(args: argparse.Namespace, measured: dict, note: str | None) -> dict[str, Any]:
+    summary = summarize(args, measured["runs"])
+    bound = io_bound(summary.get("default", {}).get("swap_bytes_per_iter"), measured["fio"])
+    return {
+        "machine": _machine(),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "modes": {m: MODES[m] for m in args.modes},
+        "deepspeed": DEEPSPEED,
+        "note": note,
+        "fio": measured["fio"],
+        "io_bound_s": bound,
+        "summary": summary,
+        "targets": targets(summary, bound),
+        "runs": measured["runs"],
+    }
+
+
+def _modes(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default=list(MODES),
+        help=f"comma-separated tierswap modes (default: all of {', '.join(MODES)})",
+    )
+    p.add_argument(
+        "--deepspeed-python",
+        default=sys.executable,
+        help="interpreter with torch + deepspeed (default: this one)",
+    )
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed runs")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration")
+    p.add_argument("--iters", type=int, default=6, help="iterations per run; 2..iters count")
+    p.add_argument("--host-budget", type=parse_size, default="128MiB")
+    p.add_argument("--dir", type=Path, default=None, help="folder for swap files (default: tmp)")
+    p.add_argument("--json", type=Path, default=None, help="default: bench/out/e2e-<time>.json")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration run")
+    p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
+    p.add_argument("--depth", type=int, default=6, help="hidden blocks")
+    args = p.parse_args(argv)
+    if args.iters < 2 or args.rounds < 1:
+        p.error(f"--iters {args.iters} / --rounds {args.rounds}: need iters >= 2, rounds >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    configs, note = _configurations(args)
+    if note:
+        print(note)
+    parent = args.dir or Path(tempfile.mkdtemp(prefix="tierswap-e2e-"))
+    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with bench_folder(parent) as folder:
+            measured = measure(args, folder, configs)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(parent, ignore_errors=True)
+    report = report_of(args, measured, note)
+    print_table(report["summary"], report["targets"]["best_deepspeed_s"])
+    print_targets(report)
+    path = args.json or ROOT / "bench" / "out" / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"JSON: {path}")
+
+
+if __name__ == "__main__":
+    main()
