@@ -152,3 +152,41 @@ def test_damaged_journal_is_reported(tmp_path: Path) -> None:
     (internal / "journal.json").write_text("{")
     with pytest.raises(ts.errors.CorruptionError, match="journal"):
         journal.read_journal(internal)
+
+
+def test_roll_forward_moves_replaced_chunks_aside_once(tmp_path: Path) -> None:
+    """A recycled chunk: the old version moves to the spare folder, exactly once."""
+    root = tmp_path
+    internal = root / ".tierswap"
+    (internal / "staging").mkdir(parents=True)
+    (internal / "staging" / "1").write_bytes(b"new")
+    (root / "k" / "c").mkdir(parents=True)
+    (root / "k" / "c" / "0").write_bytes(b"old")
+    plan = journal.CommitPlan(
+        generation=2,
+        moves=((".tierswap/staging/1", "k/c/0"),),
+        recycle=(("k/c/0", ".tierswap/spare/f0"),),
+    )
+    journal.write_journal(internal, plan)
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def crash_second(src, dst):  # power lost between moving the old aside and the new in
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise _CrashError
+        real_replace(src, dst)
+
+    os.replace = crash_second
+    try:
+        with pytest.raises(_CrashError):
+            journal.roll_forward(root, internal, plan, lambda dirs: None)
+    finally:
+        os.replace = real_replace
+    assert not (root / "k" / "c" / "0").exists()
+    for _ in range(2):  # the next writer rolls forward; doing it twice changes nothing more
+        journal.write_journal(internal, plan)
+        journal.roll_forward(root, internal, plan, lambda dirs: None)
+    assert (root / "k" / "c" / "0").read_bytes() == b"new"
+    assert (internal / "spare" / "f0").read_bytes() == b"old"
+    assert journal.CommitPlan.from_json(plan.to_json()) == plan

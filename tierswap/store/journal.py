@@ -5,8 +5,9 @@ A durable commit never overwrites committed bytes before the commit point:
 1. new chunk and metadata files are written (and fdatasync'ed) under ``.tierswap/staging/``;
 2. the journal, listing every rename, unlink and rmdir the commit needs, is written to a
    temporary file, fsync'ed and renamed to ``.tierswap/journal.json``: **the commit point**;
-3. roll-forward renames staged files over their targets, removes superseded files, fsyncs the
-   touched directories and deletes the journal.
+3. roll-forward removes superseded files, renames staged files over their targets (first
+   moving a replaced chunk aside as a spare write target where the plan says so, see
+   :mod:`tierswap.store.recycle`), fsyncs the touched directories and deletes the journal.
 
 Every roll-forward step is idempotent (rename only what is still staged; unlinks never name a
 rename target), so a writer that finds a journal on open simply rolls it forward again. A crash
@@ -59,6 +60,9 @@ class CommitPlan:
     moves: tuple[tuple[str, str], ...]
     unlinks: tuple[str, ...] = ()
     rmdirs: tuple[str, ...] = ()
+    #: (final, spare): before a staged file replaces ``final``, the old ``final`` moves to
+    #: ``spare`` (a superseded version kept as a later write target) instead of being dropped.
+    recycle: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -71,6 +75,7 @@ class CommitPlan:
             moves=tuple((str(a), str(b)) for a, b in raw["moves"]),
             unlinks=tuple(raw["unlinks"]),
             rmdirs=tuple(raw["rmdirs"]),
+            recycle=tuple((str(a), str(b)) for a, b in raw.get("recycle", ())),
         )
 
 
@@ -126,10 +131,16 @@ def roll_forward(
 ) -> None:
     """Apply ``plan`` (idempotently), make it durable, then drop the journal."""
     touched = _remove_superseded(root, plan)
+    spares = dict(plan.recycle)
     for src_rel, dst_rel in plan.moves:
         src, dst = root / src_rel, root / dst_rel
-        if src.exists():
+        if src.exists():  # not yet moved: a crash may have moved the old version aside only
             dst.parent.mkdir(parents=True, exist_ok=True)
+            spare = spares.get(dst_rel)
+            if spare is not None and dst.exists():
+                (root / spare).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dst, root / spare)
+                touched.add((root / spare).parent)
             os.replace(src, dst)
         touched.add(dst.parent)
     sync_dirs(sorted(p for p in touched if p.exists()))

@@ -60,6 +60,7 @@ from tierswap.store.layout import (
     chunk_relpath,
 )
 from tierswap.store.plan import plan_changes
+from tierswap.store.recycle import SPARE, SparePool
 from tierswap.store.snapshot import Progress, SnapshotResult, take_snapshot
 from tierswap.store.tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
 
@@ -163,6 +164,8 @@ class SwapStore:
             self._committed[key] = meta
         for key in [*index.arrays, *index.damaged]:
             self._names.add(key)
+        self._spares = None if self.readonly else SparePool(self._folder.internal / SPARE)
+        self._update_spare_cap()
 
     # ================================================================== guards
     def _check_open(self) -> None:
@@ -255,17 +258,22 @@ class SwapStore:
         self, meta: ArrayMeta, source: torch.Tensor | None, seq: int, result: Future[None]
     ) -> None:
         flat = flat_bytes(source) if source is not None else None
-        paths = [self._new_chunk_path(meta.key, seq, i) for i in range(meta.nchunks)]
+        paths: list[Path] = []
         futures = []
-        for i, path in enumerate(paths):
+        for i in range(meta.nchunks):
             offset, length = meta.payload(i)
             if flat is None:
+                paths.append(self._new_chunk_path(meta.key, seq, i))
                 futures.append(
-                    self._engine.submit(self._zero_chunk, path, length, meta.chunk_bytes)
+                    self._engine.submit(self._zero_chunk, paths[-1], length, meta.chunk_bytes)
                 )
                 continue
+            path, recycled = self._write_target(meta, seq, i)
+            paths.append(path)
             piece = flat[offset : offset + length]
-            futures.append(self._engine.submit(self._write_chunk, path, piece, meta.chunk_bytes))
+            futures.append(
+                self._engine.submit(self._write_chunk, path, piece, meta.chunk_bytes, recycled)
+            )
         done = gather(futures)
         done.add_done_callback(lambda f: self._finish_put(meta, paths, source, f, result))
 
@@ -276,6 +284,28 @@ class SwapStore:
         final = self.path / chunk_relpath(key, index)
         final.parent.mkdir(parents=True, exist_ok=True)
         return final.with_name(f"{index}.{seq}.partial")
+
+    def _write_target(self, meta: ArrayMeta, seq: int, index: int) -> tuple[Path, bool]:
+        """Where a durable write of chunk ``index`` goes: a staging file, recycled from a spare
+        when one of the size is free (whole chunks only: a spare's bytes past a shorter
+        payload would not be zeros); returns the path and whether it was recycled."""
+        path = self._new_chunk_path(meta.key, seq, index)
+        _offset, length = meta.payload(index)
+        if self.durable and self._spares is not None and length == meta.chunk_bytes:
+            return path, self._spares.take(meta.chunk_bytes, path)
+        return path, False
+
+    def _discard(self, paths: list[Path]) -> None:
+        """Superseded staged files: kept as spares (durable stores), else deleted."""
+        if self._spares is not None and self.durable:
+            self._spares.keep(paths)
+        else:
+            _unlink_all(paths)
+
+    def _update_spare_cap(self) -> None:
+        """Spares may hold as many bytes as the committed chunks: disk use stays within 2x."""
+        if self._spares is not None:
+            self._spares.cap = sum(m.nchunks * m.chunk_bytes for m in self._committed.values())
 
     def _write_chunk(
         self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False
@@ -353,7 +383,7 @@ class SwapStore:
                 return
             doomed = entry.staged_files() + entry.garbage
             entry.garbage = []
-        _unlink_all(doomed)
+        self._discard(doomed)
 
     def delete(self, key: str) -> None:
         """Remove ``key``; the removal is durable after the next :meth:`commit`."""
@@ -455,7 +485,7 @@ class SwapStore:
                     doomed += entry.staged_files()
             self._active -= 1
             self._cv.notify_all()
-        _unlink_all(doomed)
+        self._discard(doomed)
 
     # ================================================================== regions
     def get_region(
@@ -521,12 +551,16 @@ class SwapStore:
         try:
             futures = []
             for i in span:
-                new = self._new_chunk_path(key, seq, i) if self.durable else entry.files[i]
+                new, recycled = (
+                    self._write_target(entry.meta, seq, i)
+                    if self.durable
+                    else (entry.files[i], True)  # scratch: in place
+                )
                 news.append(new)
                 ref = _ChunkRef(key, i, entry.files[i], entry.meta.crcs[i])
                 futures.append(
                     self._engine.submit(
-                        self._write_region_chunk, entry.meta, ref, new, start, source
+                        self._write_region_chunk, entry.meta, ref, (new, recycled), start, source
                     )
                 )
             done = gather(futures)
@@ -598,7 +632,12 @@ class SwapStore:
         flat[lo - base : hi - base] = scratch[lo - offset : hi - offset]
 
     def _write_region_chunk(
-        self, meta: ArrayMeta, chunk: _ChunkRef, target: Path, start: int, source: torch.Tensor
+        self,
+        meta: ArrayMeta,
+        chunk: _ChunkRef,
+        target: tuple[Path, bool],
+        start: int,
+        source: torch.Tensor,
     ) -> int:
         """Write one chunk of a region to ``target``; a partly covered chunk is read (and
         checked) first, so its other bytes are kept."""
@@ -612,7 +651,8 @@ class SwapStore:
             piece = _scratch_chunk(length)
             self._read_chunk(chunk, piece, round_up(length) - length)
             piece[lo - offset : hi - offset] = src[lo - base : hi - base]
-        return self._write_chunk(target, piece, meta.chunk_bytes, in_place=not self.durable)
+        path, in_place = target  # in place: a scratch store's chunk, or a recycled spare
+        return self._write_chunk(path, piece, meta.chunk_bytes, in_place=in_place)
 
     def _finish_region(
         self,
@@ -645,7 +685,7 @@ class SwapStore:
                 doomed, entry.garbage = entry.garbage, []
             self._active -= 1
             self._cv.notify_all()
-        _unlink_all(doomed)
+        self._discard(doomed)
         return error
 
     # ================================================================== queries
@@ -732,8 +772,13 @@ class SwapStore:
             durable=self.durable,
             purged={key: self._folder.files_of(key) for key in self._purged},
         )
+        recycle = self._recycle_plan(changes.chunk_moves)
         plan = journal.CommitPlan(
-            generation, tuple(changes.chunk_moves), tuple(changes.unlinks), tuple(changes.rmdirs)
+            generation,
+            tuple(changes.chunk_moves),
+            tuple(changes.unlinks),
+            tuple(changes.rmdirs),
+            tuple((final, str(spare.relative_to(self.path))) for final, spare in recycle),
         )
         documents = [(rel, json.dumps(doc).encode()) for rel, doc in changes.documents]
         try:
@@ -750,6 +795,8 @@ class SwapStore:
                 journal.apply_in_place(self.path, plan, documents)
         except OSError as exc:
             raise translate_os_error(exc, f"committing store {str(self.path)!r}") from exc
+        if self._spares is not None:
+            self._spares.adopt(spare for _final, spare in recycle)
         for key, entry in self._entries.items():
             if entry.dirty:
                 rels = [chunk_relpath(key, i) for i in range(entry.meta.nchunks)]
@@ -757,7 +804,22 @@ class SwapStore:
                 entry.staged, entry.dirty = set(), False
         self._committed, self.generation, self.meta = current, generation, meta
         self._purged.clear()
+        self._update_spare_cap()
         return generation
+
+    def _recycle_plan(self, moves: list[tuple[str, str]]) -> list[tuple[str, Path]]:
+        """(final relpath, spare path) for each committed whole chunk a staged one replaces."""
+        if self._spares is None or not self.durable:
+            return []
+        recycle = []
+        for _src, final in moves:
+            head, _, index = final.rpartition("/")  # final is chunk_relpath(key, index)
+            old = self._committed.get(head.removesuffix("/c"))
+            if old is None or not index.isdigit() or int(index) >= old.nchunks:
+                continue
+            if old.payload(int(index))[1] == old.chunk_bytes:
+                recycle.append((final, self._spares.new_path()))
+        return recycle
 
     def _run_parallel(self, fn: Callable[..., object], calls: list[tuple[Any, ...]]) -> None:
         """Run ``fn(*args)`` for every args tuple, on the I/O pool once it exists."""
@@ -888,6 +950,8 @@ class SwapStore:
             self._engine.close()
             if not self.readonly:
                 shutil.rmtree(self._folder.staging, ignore_errors=True)
+            if self._spares is not None:
+                self._spares.clear()
             self._folder.unlock()
 
     def __enter__(self) -> SwapStore:
