@@ -1,7 +1,7 @@
 """Accelerate with a SwapOptimizer: ``save_state`` checkpoints whose optimizer is a snapshot.
 
-    python examples/accelerate_loop.py --swap-dir acc-swap --steps 20 --save-every 5
-    python examples/accelerate_loop.py --swap-dir acc-swap2 --steps 20 --save-every 5 \\
+    python examples/accelerate_loop.py --swap-dir swap/accelerate --steps 20 --save-every 5
+    python examples/accelerate_loop.py --swap-dir swap/accelerate2 --steps 20 --save-every 5 \\
         --resume acc-output/checkpoints/checkpoint_1
 
 Each checkpoint holds ``optimizer.tierswap/`` (hard links to the swap folder's commit) and a tiny
@@ -94,11 +94,11 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--swap-dir", default="acc-swap")
+    parser.add_argument("--swap-dir", default="swap/accelerate")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--total-limit", type=int, default=2)
-    parser.add_argument("--output-dir", default="acc-output")
+    parser.add_argument("--output-dir", default="swap/accelerate-output")
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     args = parser.parse_args()
     model = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,

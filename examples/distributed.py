@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("zero", "fsdp"), default="zero")
-    parser.add_argument("--swap-dir", default="distributed-swap")
+    parser.add_argument("--swap-dir", default="swap/distributed")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--host-budget", default="512KiB")
     parser.add_argument("--resume", action="store_true")

@@ -1,8 +1,8 @@
 """Hugging Face Trainer with a SwapOptimizer: a GPT-2 built from a config, no download.
 
-    python examples/hf_trainer.py --swap-dir hf-swap --steps 20
-    python examples/hf_trainer.py --swap-dir hf-swap --steps 20 --save-steps 5 --save-total-limit 2
-    python examples/hf_trainer.py --swap-dir hf-swap2 --steps 20 --save-steps 5 \
+    python examples/hf_trainer.py --swap-dir swap/hf-trainer --steps 20
+    python examples/hf_trainer.py --swap-dir swap/hf-trainer --steps 20 --save-steps 5 --save-total-limit 2
+    python examples/hf_trainer.py --swap-dir swap/hf-trainer2 --steps 20 --save-steps 5 \
         --resume hf-output/checkpoint-10
 
 With ``--save-steps`` each checkpoint holds the optimizer as a snapshot
@@ -89,10 +89,10 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--swap-dir", default="hf-swap")
+    parser.add_argument("--swap-dir", default="swap/hf-trainer")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--host-budget", default="8MiB")
-    parser.add_argument("--output-dir", default="hf-output")
+    parser.add_argument("--output-dir", default="swap/hf-output")
     parser.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")

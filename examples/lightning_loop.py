@@ -86,11 +86,11 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--swap-dir", default="pl-swap")
+    parser.add_argument("--swap-dir", default="swap/lightning")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--save-top-k", type=int, default=2)
-    parser.add_argument("--output-dir", default="pl-output")
+    parser.add_argument("--output-dir", default="swap/lightning-output")
     parser.add_argument("--resume", default=None, help="a checkpoint file to resume from")
     args = parser.parse_args()
     model = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,

@@ -17,7 +17,7 @@ import tierswap as ts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--swap-dir", default="plain-loop-swap")
+    parser.add_argument("--swap-dir", default="swap/plain-loop")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--host-budget", default="512KiB")  # state: ~660 KiB
     parser.add_argument("--resume", action="store_true")
