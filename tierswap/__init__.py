@@ -6,14 +6,18 @@ from tierswap import errors
 from tierswap.cache import CacheStats, LookaheadPolicy, LRUPolicy, TierCache
 from tierswap.config import IOConfig, parse_size
 from tierswap.optim import SwapOptimizer, offload, swapped
+from tierswap.pipeline import Job, Pipeline, Region
 from tierswap.store import ArrayInfo, SwapStore
 
 __all__ = [
     "ArrayInfo",
     "CacheStats",
     "IOConfig",
+    "Job",
     "LRUPolicy",
     "LookaheadPolicy",
+    "Pipeline",
+    "Region",
     "SwapOptimizer",
     "SwapStore",
     "TierCache",

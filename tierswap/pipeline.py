@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tierswap.config import ALIGN, round_up
+from tierswap.config import ALIGN, Size, parse_size, round_up
 from tierswap.errors import BudgetError
 from tierswap.io.buffers import aligned_empty
 from tierswap.io.engine import gather
@@ -91,13 +91,13 @@ class Pipeline:
         The store holding the regions (any object with ``info``, ``get_region_async`` and
         ``put_region_async``).
     budget:
-        Host bytes the pipeline may hold at once: resident jobs, jobs read ahead, the job at
+        Host bytes (or a size string such as ``"4GiB"``) the pipeline may hold at once: resident jobs, jobs read ahead, the job at
         work and jobs being written back. A job larger than the budget raises ``BudgetError``.
     """
 
-    def __init__(self, store: Any, budget: int) -> None:
+    def __init__(self, store: Any, budget: Size) -> None:
         self._store = store
-        self.budget = budget
+        self.budget = parse_size(budget, name="budget")
         self._cv = threading.Condition()
         self._held = 0  # bytes of jobs between the start of their reads and their writes' end
         self._reading: dict[Hashable, _Reading] = {}
