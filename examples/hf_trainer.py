@@ -1,9 +1,10 @@
 """Hugging Face Trainer with a SwapOptimizer: a GPT-2 built from a config, no download.
 
     python examples/hf_trainer.py --swap-dir swap/hf-trainer --steps 20
-    python examples/hf_trainer.py --swap-dir swap/hf-trainer --steps 20 --save-steps 5 --save-total-limit 2
+    python examples/hf_trainer.py --swap-dir swap/hf-trainer --steps 20 --save-steps 5 \
+        --save-total-limit 2
     python examples/hf_trainer.py --swap-dir swap/hf-trainer2 --steps 20 --save-steps 5 \
-        --resume hf-output/checkpoint-10
+        --resume swap/hf-output/checkpoint-10
 
 With ``--save-steps`` each checkpoint holds the optimizer as a snapshot
 (``checkpoint-N/optimizer.tierswap``, hard links to the swap folder: no state in RAM, almost

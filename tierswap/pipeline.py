@@ -91,8 +91,9 @@ class Pipeline:
         The store holding the regions (any object with ``info``, ``get_region_async`` and
         ``put_region_async``).
     budget:
-        Host bytes (or a size string such as ``"4GiB"``) the pipeline may hold at once: resident jobs, jobs read ahead, the job at
-        work and jobs being written back. A job larger than the budget raises ``BudgetError``.
+        Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: resident
+        jobs, jobs read ahead, the job at work and jobs being written back. A job larger than
+        the budget raises ``BudgetError``.
     """
 
     def __init__(self, store: Any, budget: Size) -> None:
