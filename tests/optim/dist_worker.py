@@ -67,7 +67,9 @@ def _zero_class() -> type[Any]:
     return ZeroRedundancyOptimizer
 
 
-def zero(swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1) -> tuple[Any, Any]:
+def zero(
+    swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1, **swap_kwargs: Any
+) -> tuple[Any, Any]:
     ZeroRedundancyOptimizer = _zero_class()
     model = DistributedDataParallel(make_model())
     if swap_dir is None:
@@ -81,6 +83,7 @@ def zero(swap_dir: Path | None, *, resume: bool = False, commit_every: int = 1) 
             commit_every=commit_every,
             resume=resume,
             lr=LR,
+            **swap_kwargs,
         )
     return model, opt
 
@@ -129,7 +132,23 @@ def zero_scenarios(rank: int, tmp: Path) -> dict[str, Any]:
     train(model, opt, rank, range(STEPS - 1, STEPS))
     loaded = local_params(model)
     opt.optim.close()
-    return {"plain": plain, "swapped": swapped, "resumed": resumed, "loaded": loaded, **info}
+
+    # per-rank snapshots of one step; the live run goes on, a new run starts from them
+    model, opt = zero(tmp / "zero-live")
+    train(model, opt, rank, range(STEPS - 1))
+    opt.optim.snapshot(tmp / "zero-snap")  # a collective: zero-snap/rank-<r> on every rank
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    opt.optim.close()
+    model, opt = zero(tmp / "zero-from-snap", resume_from=tmp / "zero-snap")
+    broadcast_owned_params(opt)
+    info["snapshot_steps"] = opt.optim.steps
+    train(model, opt, rank, range(STEPS - 1, STEPS))
+    from_snapshot = local_params(model)
+    opt.optim.close()
+    return {
+        "plain": plain, "swapped": swapped, "resumed": resumed, "loaded": loaded,
+        "from_snapshot": from_snapshot, **info,
+    }  # fmt: skip
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------

@@ -111,6 +111,20 @@ def test_zero_resume_per_rank(runs: dict[str, Any], rank: int) -> None:
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_zero_per_rank_snapshots_resume_bit_exact(runs: dict[str, Any], rank: int) -> None:
+    """Each rank snapshots its folder into snap/rank-<r> at one step; a new run from them ends
+    where the uninterrupted run does, and the snapshots are standalone stores."""
+    run = runs[f"zero{rank}"]
+    assert run["snapshot_steps"] == dist_worker.STEPS - 1
+    _assert_equal(run["from_snapshot"], run["plain"])
+    snap = run["tmp"] / "zero-snap" / f"rank-{rank}"
+    with SwapStore(snap, mode="r") as store:
+        meta = store.meta["tierswap.optim"]
+        assert (meta["rank"], meta["steps"]) == (rank, dist_worker.STEPS - 1)
+        assert store.verify() == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
 def test_zero_load_state_dict_into_swapped(runs: dict[str, Any], rank: int) -> None:
     """consolidate_state_dict + load_state_dict, torch's ZeRO checkpoint, reaches the swap."""
     _assert_equal(runs[f"zero{rank}"]["loaded"], runs[f"zero{rank}"]["plain"])

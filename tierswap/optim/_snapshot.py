@@ -24,7 +24,7 @@ import torch
 from tierswap.errors import ConfigError
 from tierswap.optim import _state_dict
 from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
-from tierswap.optim.distributed import rank_swap_dir
+from tierswap.optim.distributed import check_same_step, rank_swap_dir
 from tierswap.store.snapshot import (
     Progress,
     SnapshotResult,
@@ -59,9 +59,15 @@ def snapshot(
     optimizer: SwapOptimizer, dest: str | os.PathLike[str], *, progress: bool | Progress | None
 ) -> SnapshotResult:
     """Commit the optimizer (unless its last commit is of this very state), then keep that
-    commit as a store in ``dest`` (new or empty)."""
+    commit as a store in ``dest`` (new or empty).
+
+    Under ``torch.distributed`` each rank keeps its own folder's commit in ``dest/rank-<r>``,
+    after checking (a collective: every rank must call this) that all ranks are at one step.
+    """
     backend = optimizer._backend
-    check_destination(backend.path, Path(dest).absolute())  # fail before committing
+    dest = rank_swap_dir(Path(dest).absolute())
+    check_destination(backend.path, dest)  # fail before committing
+    check_same_step(optimizer.steps, backend.path, "snapshot")
     if _needs_commit(optimizer):
         optimizer.commit()
         optimizer._snapshot_changed = False

@@ -25,6 +25,7 @@ __all__ = [
     "WorldSizeError",
     "broadcast_owned_params",
     "check_resumed_steps",
+    "check_same_step",
     "check_world",
     "rank_swap_dir",
     "world",
@@ -107,6 +108,27 @@ def broadcast_owned_params(optimizer: Any) -> None:
             dist.broadcast(param.data, src=dist.get_global_rank(group, owner), group=group)
 
 
+def _steps_of_ranks(steps: int) -> list[Any]:
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, int(steps))
+    return gathered
+
+
+def check_same_step(steps: int, path: str | Path, what: str) -> None:
+    """Raise :class:`InconsistentResumeError` unless every rank is at step ``steps`` before
+    ``what`` (e.g. a snapshot: per-rank folders of one consistent step). A collective; a no-op
+    outside ``torch.distributed``."""
+    if not _distributed():
+        return
+    gathered = _steps_of_ranks(steps)
+    if len(set(gathered)) > 1:
+        found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
+        raise InconsistentResumeError(
+            f"the ranks are at different steps ({found}; this is {str(path)!r}): a {what} of "
+            "the ranks' folders would mix steps; call it on every rank after the same step()"
+        )
+
+
 def check_resumed_steps(steps: int, path: str | Path) -> None:
     """Raise :class:`InconsistentResumeError` unless every rank resumed the same step.
 
@@ -117,8 +139,7 @@ def check_resumed_steps(steps: int, path: str | Path) -> None:
     """
     if not _distributed():
         return
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, int(steps))
+    gathered = _steps_of_ranks(steps)
     if len(set(gathered)) > 1:
         found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
         raise InconsistentResumeError(

@@ -193,15 +193,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         ``policy="lookahead"``; ``"lru"`` gets no hits on a cyclic pass larger than the cache,
         so it streams everything).
         """
-        total = sum(s.working_set for s in self._slots) + 2 * len(self._slots) * 4096
+        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(MAX_SLICE_BYTES)
+        whole = plan_slices(self._slots[::-1], MAX_SLICE_BYTES, chunk)
+        total = sum(piece.working_set for piece in whole)
         if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
             configured = self._config.host_budget
             self.host_budget = configured if configured is not None else max(total, 1)
         budget = self._tier_budget()
         fits = total <= budget
-        target = MAX_SLICE_BYTES if fits else min(max(budget // STREAM_SLICES, 1), MAX_SLICE_BYTES)
-        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
-        self._slices: list[Slice] = plan_slices(self._slots[::-1], target, chunk)
+        if fits:
+            self._slices: list[Slice] = whole
+        else:
+            target = min(max(budget // STREAM_SLICES, 1), MAX_SLICE_BYTES)
+            chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
+            self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
         if self.tier == "device":
             check_budget(self._slices, self._config.device_budget, "device_budget")
