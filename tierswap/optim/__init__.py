@@ -1,4 +1,4 @@
-"""Offloaded optimizers: torch optimizers whose state lives in the tier cache."""
+"""Offloaded optimizers: torch optimizers whose state lives on disk, streamed in slices."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
 
 
 def _open_store(path: Path, *, durable: bool, resume: bool, chunk_bytes: int) -> Any:
-    """Open the swap folder's store (a seam the tests may replace)."""
+    """Open the swap folder's store."""
     from tierswap.store import SwapStore
 
     return SwapStore(path, mode="a" if resume else "w", durable=durable, chunk_bytes=chunk_bytes)

@@ -1,7 +1,7 @@
 """Give freed heap memory back to the operating system after the state is created.
 
-The first step creates each partition's state with ``torch.zeros_like`` and the cache copies it
-into its own page-aligned buffers; the originals are then freed. glibc keeps such freed blocks in
+The first step creates each slice's state with ``torch.zeros_like`` (torch's own lazy init),
+writes it to the store and frees it. glibc keeps such freed blocks in
 its heap (after the first large ``free`` it raises its mmap threshold), which would add up to a
 partition's worth of retained memory, often more through fragmentation, on top of the host
 budget. ``malloc_trim(0)`` returns whole free pages; it costs well under a millisecond.

@@ -55,28 +55,35 @@ MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
 
 
 class SwapOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` whose state lives in a GPU / host / NVMe tier cache.
+    """A ``torch.optim.Optimizer`` whose state lives on disk and streams through host memory.
 
     Parameters
     ----------
     params:
         Parameters or param groups, as for any torch optimizer.
     optimizer_class:
-        The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Adagrad``, ...); any with
-        per-parameter tensor state and no cross-parameter math.
+        The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Adagrad``, ...); any whose
+        math is per element (checked at construction: factored or matrix optimizers such as
+        Adafactor are refused with ``ConfigError``).
     swap_dir:
         Folder of the swap store. ``None``: a temporary folder removed by :meth:`close`.
         Under ``torch.distributed`` each rank uses ``swap_dir/rank-<r>``.
     host_budget, device_budget:
-        Byte budgets of the host and device tiers (ints or strings such as ``"4GiB"``).
+        Byte budgets of the host and device tiers (ints or strings such as ``"4GiB"``); the
+        host budget holds every buffer of the step: resident slices and slices in flight.
         ``host_budget=None`` keeps all state in RAM; ``device_budget=0`` turns the device tier
-        off. A budget below the largest partition's working set raises ``ConfigError``.
+        off. A budget below the smallest possible slice (one chunk of a parameter's state)
+        raises ``ConfigError``.
     policy:
-        Eviction policy of the cache (``"lookahead"``, ``"lru"`` or a policy instance).
+        ``"lookahead"`` (default) keeps a prefix of the slices resident, what Belady's rule
+        does on the cyclic schedule of steps; ``"lru"`` (or an ``LRUPolicy``) streams every
+        slice, as LRU does on a cycle larger than its memory.
     durable:
         Passed to the store: ``False`` writes in place, faster but not crash-safe.
     commit_every:
         Commit the swap folder atomically every this many steps (0: only on :meth:`commit`).
+        The default 1 costs little: the parameters a commit needs are written with their
+        slices, and chunk files are recycled (see ``docs/optimizer.md``).
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
@@ -85,9 +92,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         to resume from: ``swap_dir`` is replaced by hard links to it (a copy across
         filesystems), then the run resumes as with ``resume=True``. The snapshot is not changed.
     overlap:
-        ``"backward"`` steps each parameter in its post-accumulate-grad hook as soon as its
-        gradient is final (every ``accumulation_steps`` backward passes). It cannot honour
-        global gradient clipping or ``GradScaler``: the step happens before they could run.
+        ``"backward"`` steps each slice in a post-accumulate-grad hook as soon as the gradients
+        of all its parameters are final (every ``accumulation_steps`` backward passes). It
+        cannot honour global gradient clipping or ``GradScaler``: the step happens before they
+        could run. The default (``None``) starts the slices' reads in those hooks and steps in
+        :meth:`step`.
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -433,7 +442,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         return self._backend.stats(self.host_budget, self._config.device_budget)
 
     def close(self) -> None:
-        """Release hooks, cache and store; a temporary swap folder is removed."""
+        """Release hooks, pipeline and store; a temporary swap folder is removed."""
         _hooks.remove(getattr(self, "_hook_handles", []))
         self._hook_handles = []
         self._finalizer()
