@@ -50,7 +50,7 @@ def master_dtype(param: torch.Tensor) -> torch.dtype:
 
 @dataclasses.dataclass
 class Slot:
-    """One parameter: its global index (the ``p<i>`` in keys), group, and bookkeeping.
+    """One parameter: its global index, name and key, group, and bookkeeping.
 
     ``has_master`` is true when the step runs on a separate copy of the parameter (a fp32 master
     of a low-precision parameter, or a host copy of a parameter that lives on another device).
@@ -63,6 +63,8 @@ class Slot:
     group: int
     has_master: bool
     state_itemsizes: tuple[int, ...]
+    name: str | None = None  # the parameter's name, when the optimizer was given names
+    key: str = ""  # the key segment of its arrays; "" means positional, ``p<index>``
 
     @property
     def local(self) -> torch.Tensor:
@@ -71,15 +73,16 @@ class Slot:
 
     @property
     def prefix(self) -> str:
-        return f"p{self.index}"
+        """The first segment of the slot's keys: its escaped name, or ``p<index>``."""
+        return self.key or f"p{self.index}"
 
     @property
     def master_key(self) -> str:
-        return f"p{self.index}/master"
+        return f"{self.prefix}/master"
 
     @property
     def param_key(self) -> str:
-        return f"p{self.index}/param"
+        return f"{self.prefix}/param"
 
     @property
     def state_bytes(self) -> int:

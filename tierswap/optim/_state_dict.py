@@ -30,9 +30,12 @@ __all__ = [
 
 
 def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
-    return [
-        [list(s.local.shape), str(master_dtype(s.param)), s.has_master] for s in optimizer._slots
-    ]
+    return [_entry(s) for s in optimizer._slots]
+
+
+def _entry(slot: Slot) -> list[Any]:
+    """What must match between a slot and the parameter of a commit it resumes."""
+    return [list(slot.local.shape), str(master_dtype(slot.param)), slot.has_master]
 
 
 #: Not hyper-parameters. ZeroRedundancyOptimizer copies its constructor keywords (swap_dir,
@@ -57,9 +60,10 @@ def commit(optimizer: SwapOptimizer) -> int:
     written = optimizer._params_written
     unwritten = [s for s in optimizer._slots if not s.has_master and s.index not in written]
     optimizer.write_from_params(unwritten, masters=False)
-    small = {
-        "small": {i: _clone(v) for i, v in optimizer._small.items()},
-        "names": dict(optimizer._state_names),
+    slots = optimizer._slots
+    small = {  # keyed by each parameter's key prefix, so a resume can match by name
+        "small": {s.prefix: _clone(optimizer._small[s.index]) for s in slots},
+        "names": {s.prefix: list(optimizer._state_names[s.index]) for s in slots},
         "groups": [_hyper(g) for g in optimizer.param_groups],
         "steps": optimizer._steps,
     }
@@ -67,6 +71,8 @@ def commit(optimizer: SwapOptimizer) -> int:
         "steps": optimizer._steps,
         "optimizer": type(optimizer._inner).__name__,
         "layout": _layout(optimizer),
+        "keys": [s.prefix for s in slots],
+        "names": [s.name for s in slots],
         "chunk_bytes": optimizer._chunk_bytes,
         **world_meta(),
     }
@@ -77,19 +83,18 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     """Load the last commit: params (from masters or copies), scalars, groups, step count."""
     backend = optimizer._backend
     check_world(meta, backend.path)
-    if meta.get("layout") != _layout(optimizer):
-        raise ConfigError(
-            f"swap_dir {str(backend.path)!r} holds a run with another parameter layout "
-            f"({len(meta.get('layout', []))} params, optimizer {meta.get('optimizer')}); "
-            "resume with the same model, param groups and tier settings, or use a new swap_dir"
-        )
+    match_keys(optimizer._slots, meta, backend.path)
     chunk = meta.get("chunk_bytes")
     if chunk and chunk != optimizer._chunk_bytes:  # slices must follow the stored chunking
         optimizer._chunk_bytes = chunk
         optimizer._plan()
     small = backend.load_small()
-    optimizer._small = defaultdict(dict, small["small"])
-    optimizer._state_names = defaultdict(list, small["names"])
+    by_prefix = {s.prefix: s.index for s in optimizer._slots}
+    index_of = {**by_prefix, **{s.index: s.index for s in optimizer._slots}}  # positional blobs
+    optimizer._small = defaultdict(dict, {index_of[k]: v for k, v in small["small"].items()})
+    optimizer._state_names = defaultdict(
+        list, {index_of[k]: v for k, v in small["names"].items()}
+    )
     for group, saved in zip(optimizer.param_groups, small["groups"], strict=True):
         group.update(saved)
     optimizer._steps = small["steps"]
@@ -100,6 +105,50 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
                 key = slot.master_key if slot.has_master else slot.param_key
                 values = backend.read_region(Region(key, seg.start, seg.stop))
                 flat(slot.param)[seg.start : seg.stop].copy_(values)
+
+
+def match_keys(slots: list[Slot], meta: dict[str, Any], path: Any) -> None:
+    """Give each slot the key of its parameter in the commit ``meta`` describes, or raise.
+
+    By name when both the commit and this optimizer name their parameters (the order may
+    differ); else by position (a folder written before names existed, or unnamed parameters),
+    with each slot taking the commit's key at its position.
+    """
+    layout = meta.get("layout", [])
+    saved_names = meta.get("names") or [None] * len(layout)
+    saved_keys = meta.get("keys") or [f"p{i}" for i in range(len(layout))]
+    if all(saved_names) and saved_names and all(s.name is not None for s in slots):
+        _match_by_name(slots, layout, saved_names, saved_keys, path)
+        return
+    if layout != [_entry(s) for s in slots]:
+        raise ConfigError(
+            f"swap_dir {str(path)!r} holds a run with another parameter layout "
+            f"({len(layout)} params, optimizer {meta.get('optimizer')}); resume with the same "
+            "model, param groups and tier settings, or use a new swap_dir"
+        )
+    for slot, key in zip(slots, saved_keys, strict=True):
+        slot.key = key
+
+
+def _match_by_name(
+    slots: list[Slot], layout: list[Any], names: list[str], keys: list[str], path: Any
+) -> None:
+    saved = {name: (entry, key) for name, entry, key in zip(names, layout, keys, strict=True)}
+    current = {s.name: s for s in slots}
+    missing, unexpected = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved)
+    if missing or unexpected:
+        raise ConfigError(
+            f"swap_dir {str(path)!r} holds other parameters: missing here {missing}, not in the "
+            f"folder {unexpected}; resume with the same model, or use a new swap_dir"
+        )
+    changed = sorted(n for n, s in current.items() if saved[n][0] != _entry(s))
+    if changed:
+        raise ConfigError(
+            f"swap_dir {str(path)!r}: parameters {changed} changed shape, dtype or tier "
+            "settings since the commit; resume with the same model and settings"
+        )
+    for name, slot in current.items():
+        slot.key = saved[name][1]
 
 
 def _clone(value: Any) -> Any:

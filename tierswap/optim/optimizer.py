@@ -27,6 +27,7 @@ from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
+from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import (
     Slice,
     Slot,
@@ -179,7 +180,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _add_slots(self, group: dict[str, Any]) -> None:
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         probes: dict[torch.dtype, tuple[int, ...]] = {}
-        for param in group["params"]:
+        names = group.get("param_names") or [None] * len(group["params"])
+        for param, name in zip(group["params"], names, strict=True):
             dtype = master_dtype(param)
             if dtype not in probes:
                 probes[dtype] = _probe(self._inner, group, dtype)
@@ -189,9 +191,11 @@ class SwapOptimizer(torch.optim.Optimizer):
                     "steps flat slices of parameters: call .contiguous() on it before training"
                 )
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
+            key = key_prefix(name) if name is not None else ""
             self._slots.append(
-                Slot(len(self._slots), param, group_index, has_master, probes[dtype])
+                Slot(len(self._slots), param, group_index, has_master, probes[dtype], name, key)
             )
+        check_unique([slot.prefix for slot in self._slots])
 
     def _plan(self) -> int:
         """Cut the slots into slices, choose the resident prefix, check the budgets.
