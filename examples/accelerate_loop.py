@@ -63,7 +63,7 @@ def train(
     if swap_dir is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+        opt = ts.SwapOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2,
                                swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     project = ProjectConfiguration(

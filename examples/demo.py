@@ -150,7 +150,7 @@ def main() -> None:
     print(f"GPT: {n_params / 1e6:.1f}M parameters, {cfg.layers} layers, dim {cfg.dim}")
     data = _batches(cfg, args)
     budget = parse_size(args.host_budget, name="--host-budget")
-    opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4, fused=True,
+    opt = ts.SwapOptimizer(model.named_parameters(), torch.optim.AdamW, lr=3e-4, fused=True,
                            swap_dir=args.swap_dir, host_budget=budget, commit_every=0,
                            device_budget=args.device_budget)  # fmt: skip
     with opt:

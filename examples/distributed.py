@@ -62,7 +62,7 @@ def fsdp_setup(model: torch.nn.Module, args: argparse.Namespace) -> tuple[torch.
             fully_shard(layer)
     fully_shard(model)
     opt = ts.SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, lr=1e-3,
+        model.named_parameters(), torch.optim.AdamW, lr=1e-3,
         swap_dir=args.swap_dir, host_budget=args.host_budget, resume=args.resume,
     )  # fmt: skip
     return model, opt

@@ -71,7 +71,7 @@ def train(
     if swap_dir is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+        opt = ts.SwapOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3,
                                swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,

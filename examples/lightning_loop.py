@@ -39,7 +39,7 @@ class Regressor(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.swap_dir is None:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return ts.SwapOptimizer(self.parameters(), torch.optim.AdamW, lr=1e-2,
+        return ts.SwapOptimizer(self.named_parameters(), torch.optim.AdamW, lr=1e-2,
                                 swap_dir=self.swap_dir, host_budget=self.host_budget)  # fmt: skip
 
 

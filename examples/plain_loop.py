@@ -30,7 +30,7 @@ def main() -> None:
     )  # fmt: skip
     # The one changed line: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     opt = ts.SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01,
+        model.named_parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.01,
         swap_dir=args.swap_dir, host_budget=args.host_budget, resume=args.resume,
     )  # fmt: skip
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)

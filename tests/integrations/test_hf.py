@@ -49,6 +49,9 @@ def test_trainer_with_swap_optimizer_matches_plain_adamw(tmp_path) -> None:
         assert logged[-1]["tierswap/optimizer_steps"] == 3.0
         assert "tierswap/nvme_bytes_read" in logged[-1]
         assert logged[-1]["tierswap/nvme_bytes_written"] > 0  # the budget sends state to disk
+        names = [name for name, _ in swap_model.named_parameters()]
+        keys = set(opt._backend.store.keys())
+        assert {f"{name}/exp_avg" for name in names} <= keys  # keys name the parameters
     finally:
         opt.close()
 

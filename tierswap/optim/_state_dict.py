@@ -92,9 +92,7 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     by_prefix = {s.prefix: s.index for s in optimizer._slots}
     index_of = {**by_prefix, **{s.index: s.index for s in optimizer._slots}}  # positional blobs
     optimizer._small = defaultdict(dict, {index_of[k]: v for k, v in small["small"].items()})
-    optimizer._state_names = defaultdict(
-        list, {index_of[k]: v for k, v in small["names"].items()}
-    )
+    optimizer._state_names = defaultdict(list, {index_of[k]: v for k, v in small["names"].items()})
     for group, saved in zip(optimizer.param_groups, small["groups"], strict=True):
         group.update(saved)
     optimizer._steps = small["steps"]
