@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tierswap.cli import main
+from tierswap.optim import SwapOptimizer
 from tierswap.store import SwapStore
 
 
@@ -49,10 +50,36 @@ def test_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["inspect", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
     assert "scratch" in text
-    assert 'step 7, meta {"step": 7}' in text
-    assert "model/w/exp_avg  float32   (100, 300)" in text
-    assert "(10,)" in text
-    assert "arrays      3 holding 117.21 KiB" in text
+    assert "generation 2, step 7, " in text  # a scratch store commits again at close
+    assert "tensors     3 arrays in 3 parameters, 117.21 KiB" in text
+    assert 'meta        {"step": 7}' in text
+    assert "model/w    (100, 300)  exp_avg  117.19 KiB" in text  # one line per parameter
+    assert main(["inspect", str(tmp_path / "s"), "--all"]) == 0
+    assert "model/w/exp_avg  float32   (100, 300)" in capsys.readouterr().out  # every array
+
+
+def test_optimizer_folder_summary_groups_by_parameter_in_natural_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    with SwapOptimizer(model.named_parameters(), swap_dir=tmp_path / "s") as opt:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    data = _inspect_json(tmp_path / "s", capsys)
+    names = [p["name"] for p in data["parameters"]]
+    assert names[:4] == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert names.index("2.weight") < names.index("10.bias")  # natural, not text, order
+    assert data["parameters"][1]["arrays"] == ["exp_avg", "exp_avg_sq", "param"]
+    assert data["writer"] == {
+        "by": "SwapOptimizer", "optimizer": "AdamW", "steps": 1, "rank": 0, "world_size": 1,
+        "named": True,
+    }  # fmt: skip
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    text = capsys.readouterr().out
+    assert "written by  SwapOptimizer (AdamW), step 1, rank 0 of 1; keys: parameter names" in text
+    assert "largest     " in text
+    lines = text.splitlines()
+    assert len(lines) < 40  # 24 parameters: one line each, after a short summary
 
 
 def test_reader_beside_a_writer_sees_the_last_commit(

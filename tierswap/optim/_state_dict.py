@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,7 @@ def commit(optimizer: SwapOptimizer) -> int:
         "keys": [s.prefix for s in slots],
         "names": [s.name for s in slots],
         "chunk_bytes": optimizer._chunk_bytes,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
     }
     return optimizer._backend.commit(small, meta)
