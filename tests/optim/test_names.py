@@ -137,3 +137,39 @@ def test_one_name_twice_is_refused() -> None:
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ConfigError, match="occur twice"):
         SwapOptimizer([{"params": [("w", a)]}, {"params": [("w", b)]}])
+
+
+def _as_before_names(path: Path) -> None:
+    """Rewrite a positional folder's bookkeeping as the optimizer wrote it before names: the
+    scalar blob keyed by parameter index, no ``keys``/``names`` in the commit's metadata."""
+    import io
+
+    with SwapStore(path) as store:
+        blob = torch.load(io.BytesIO(store.get("optim/small").numpy().tobytes()))
+        for part in ("small", "names"):
+            blob[part] = {int(k.removeprefix("p")): v for k, v in blob[part].items()}
+        buffer = io.BytesIO()
+        torch.save(blob, buffer)
+        store.put("optim/small", torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+        meta = dict(store.meta)
+        meta["tierswap.optim"] = {
+            k: v for k, v in meta["tierswap.optim"].items() if k not in ("keys", "names", "time")
+        }
+        store.commit(meta)
+
+
+def test_a_folder_from_before_names_still_resumes(tmp_path: Path) -> None:
+    reference, model = make_models()
+    xs = batches(3)
+    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), xs)
+    opt = SwapOptimizer(model.parameters(), lr=1e-2, swap_dir=tmp_path / "s")
+    _train(model, opt, xs[:2])
+    opt.close()
+    _as_before_names(tmp_path / "s")
+    _, fresh = make_models(seed=5)
+    resumed = SwapOptimizer(fresh.named_parameters(), lr=1e-2, swap_dir=tmp_path / "s", resume=True)
+    with resumed:
+        assert resumed.steps == 2
+        _train(fresh, resumed, xs[2:])
+    for a, b in zip(reference.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
