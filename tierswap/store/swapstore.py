@@ -34,10 +34,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from tierswap.config import IOConfig, Size, parse_size, round_up
+from tierswap.config import IOConfig, Size, parse_size
 from tierswap.errors import (
     ConfigError,
     CorruptionError,
@@ -49,9 +48,10 @@ from tierswap.errors import (
     StoreClosedError,
 )
 from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import IOEngine, gather, translate_os_error, zeros_crc
+from tierswap.io.engine import IOEngine, gather, translate_os_error
 from tierswap.keys import KeyHierarchy, validate_key
 from tierswap.store import journal
+from tierswap.store.chunks import ChunkFiles, ChunkRef
 from tierswap.store.folder import StoreFolder
 from tierswap.store.layout import (
     ArrayInfo,
@@ -137,7 +137,6 @@ class SwapStore:
         self._committing = False
         self._closed = True
         self._seq = itertools.count()
-        self._counters = dict.fromkeys(("bytes_read", "bytes_written", "reads", "writes"), 0)
         self._open(mode)
         self._closed = False
 
@@ -155,6 +154,7 @@ class SwapStore:
             except BaseException:
                 self._folder.unlock()
                 raise
+        self._chunks = ChunkFiles(self._engine, sync_each_chunk=self._sync_each_chunk)
         index = self._folder.load(through_journal=self.readonly)
         self.generation, self.meta, self._damaged = index.generation, index.meta, index.damaged
         if self.readonly:  # a reader reports how the store was written
@@ -265,14 +265,14 @@ class SwapStore:
             if flat is None:
                 paths.append(self._new_chunk_path(meta.key, seq, i))
                 futures.append(
-                    self._engine.submit(self._zero_chunk, paths[-1], length, meta.chunk_bytes)
+                    self._engine.submit(self._chunks.zero, paths[-1], length, meta.chunk_bytes)
                 )
                 continue
             path, recycled = self._write_target(meta, seq, i)
             paths.append(path)
             piece = flat[offset : offset + length]
             futures.append(
-                self._engine.submit(self._write_chunk, path, piece, meta.chunk_bytes, recycled)
+                self._engine.submit(self._chunks.write, path, piece, meta.chunk_bytes, recycled)
             )
         done = gather(futures)
         done.add_done_callback(lambda f: self._finish_put(meta, paths, source, f, result))
@@ -306,25 +306,6 @@ class SwapStore:
         """Spares may hold as many bytes as the committed chunks: disk use stays within 2x."""
         if self._spares is not None:
             self._spares.cap = sum(m.nchunks * m.chunk_bytes for m in self._committed.values())
-
-    def _write_chunk(
-        self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False
-    ) -> int:
-        try:
-            crc = self._engine.write_file(
-                path, piece, file_size, sync=self._sync_each_chunk, in_place=in_place
-            )
-        except OSError as exc:
-            raise translate_os_error(exc, f"writing {str(path)!r}") from exc
-        self._count("bytes_written", piece.size, "writes")
-        return crc
-
-    def _zero_chunk(self, path: Path, length: int, file_size: int) -> int:
-        try:
-            self._engine.allocate_file(path, file_size, sync=self._sync_each_chunk)
-        except OSError as exc:
-            raise translate_os_error(exc, f"allocating {str(path)!r}") from exc
-        return zeros_crc(length)
 
     def _finish_put(
         self,
@@ -404,11 +385,6 @@ class SwapStore:
         if entry is not None:
             self._retire(entry)
 
-    def _count(self, bytes_name: str, nbytes: int, ops_name: str) -> None:
-        with self._cv:
-            self._counters[bytes_name] += nbytes
-            self._counters[ops_name] += 1
-
     # ================================================================== reads
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor stored under ``key`` as a CPU tensor (``out`` filled when given)."""
@@ -457,22 +433,9 @@ class SwapStore:
             offset, length = meta.payload(i)
             tail = spare if i == meta.nchunks - 1 else 0
             piece = flat[offset : offset + length]
-            chunk = _ChunkRef(meta.key, i, entry.files[i], meta.crcs[i])
-            futures.append(self._engine.submit(self._read_chunk, chunk, piece, tail))
+            chunk = ChunkRef(meta.key, i, entry.files[i], meta.crcs[i])
+            futures.append(self._engine.submit(self._chunks.read, chunk, piece, tail))
         return gather(futures)
-
-    def _read_chunk(self, chunk: _ChunkRef, piece: np.ndarray, spare: int) -> None:
-        try:
-            crc = self._engine.read_file(chunk.path, piece, spare)
-        except CorruptionError as exc:
-            raise CorruptionError(f"key {chunk.key!r} chunk {chunk.index}: {exc}") from exc
-        if crc != chunk.crc:
-            raise CorruptionError(
-                f"key {chunk.key!r} chunk {chunk.index} ({str(chunk.path)!r}) fails its CRC32C "
-                f"check (stored {chunk.crc:08x}, read {crc:08x}); the bytes on disk are "
-                "damaged: restore the store from a copy or delete and rewrite the key"
-            )
-        self._count("bytes_read", piece.size, "reads")
 
     def _release(self, entry: _Entry, chunks: Iterable[tuple[str, int]] = ()) -> None:
         with self._cv:
@@ -507,10 +470,10 @@ class SwapStore:
         chunks = [(key, i) for i in span]
         try:
             out = _region_out(entry.meta, stop - start, out)
-            refs = [_ChunkRef(key, i, entry.files[i], entry.meta.crcs[i]) for i in span]
+            refs = [ChunkRef(key, i, entry.files[i], entry.meta.crcs[i]) for i in span]
             reads = gather(
                 [
-                    self._engine.submit(self._read_region_chunk, entry.meta, ref, start, out)
+                    self._engine.submit(self._chunks.read_region, entry.meta, ref, start, out)
                     for ref in refs
                 ]
             )
@@ -557,10 +520,10 @@ class SwapStore:
                     else (entry.files[i], True)  # scratch: in place
                 )
                 news.append(new)
-                ref = _ChunkRef(key, i, entry.files[i], entry.meta.crcs[i])
+                ref = ChunkRef(key, i, entry.files[i], entry.meta.crcs[i])
                 futures.append(
                     self._engine.submit(
-                        self._write_region_chunk, entry.meta, ref, (new, recycled), start, source
+                        self._chunks.write_region, entry.meta, ref, (new, recycled), start, source
                     )
                 )
             done = gather(futures)
@@ -612,47 +575,6 @@ class SwapStore:
                 entry.readers += 1
                 self._chunk_reads.update(chunks)
             return entry, span
-
-    def _read_region_chunk(
-        self, meta: ArrayMeta, chunk: _ChunkRef, start: int, out: torch.Tensor
-    ) -> None:
-        """Read one chunk of a region: straight into ``out`` when the region covers it whole,
-        else whole into a scratch buffer (the CRC covers the whole chunk) and copy the part."""
-        itemsize = meta.dtype.itemsize
-        offset, length = meta.payload(chunk.index)
-        lo, hi = _overlap(offset, length, start * itemsize, out.numel() * itemsize)
-        flat = flat_bytes(out)
-        base = start * itemsize
-        if lo == offset and hi == offset + length:
-            tail = spare_bytes(out) if hi - base == flat.size else 0
-            self._read_chunk(chunk, flat[lo - base : hi - base], tail)
-            return
-        scratch = _scratch_chunk(length)
-        self._read_chunk(chunk, scratch, round_up(length) - length)
-        flat[lo - base : hi - base] = scratch[lo - offset : hi - offset]
-
-    def _write_region_chunk(
-        self,
-        meta: ArrayMeta,
-        chunk: _ChunkRef,
-        target: tuple[Path, bool],
-        start: int,
-        source: torch.Tensor,
-    ) -> int:
-        """Write one chunk of a region to ``target``; a partly covered chunk is read (and
-        checked) first, so its other bytes are kept."""
-        itemsize = meta.dtype.itemsize
-        offset, length = meta.payload(chunk.index)
-        src, base = flat_bytes(source), start * itemsize
-        lo, hi = _overlap(offset, length, base, src.size)
-        if lo == offset and hi == offset + length:
-            piece = src[lo - base : hi - base]
-        else:
-            piece = _scratch_chunk(length)
-            self._read_chunk(chunk, piece, round_up(length) - length)
-            piece[lo - offset : hi - offset] = src[lo - base : hi - base]
-        path, in_place = target  # in place: a scratch store's chunk, or a recycled spare
-        return self._write_chunk(path, piece, meta.chunk_bytes, in_place=in_place)
 
     def _finish_region(
         self,
@@ -724,8 +646,7 @@ class SwapStore:
 
     def stats(self) -> dict[str, int]:
         """Bytes and chunk files read and written through this store object."""
-        with self._cv:
-            return dict(self._counters)
+        return self._chunks.stats()
 
     def disk_usage(self) -> int:
         """Bytes the store's files occupy on disk (allocated blocks)."""
@@ -870,31 +791,12 @@ class SwapStore:
             self._begin()
             entry.readers += 1
         try:
-            futures = [
-                self._engine.submit(self._verify_chunk, entry, i) for i in range(entry.meta.nchunks)
-            ]
+            meta = entry.meta
+            refs = [ChunkRef(key, i, entry.files[i], meta.crcs[i]) for i in range(meta.nchunks)]
+            futures = [self._engine.submit(self._chunks.verify, meta, ref) for ref in refs]
             return [problem for f in futures if (problem := f.result())]
         finally:
             self._release(entry)
-
-    def _verify_chunk(self, entry: _Entry, index: int) -> str | None:
-        _offset, length = entry.meta.payload(index)
-        path = entry.files[index]
-        try:
-            size = path.stat().st_size
-            if size != entry.meta.chunk_bytes:
-                return (
-                    f"key {entry.meta.key!r} chunk {index}: file {str(path)!r} has {size} bytes, "
-                    f"expected {entry.meta.chunk_bytes}"
-                )
-            self._read_chunk(
-                _ChunkRef(entry.meta.key, index, path, entry.meta.crcs[index]),
-                aligned_empty((length,), torch.uint8, pin=False).numpy(),
-                round_up(length) - length,
-            )
-        except (CorruptionError, OSError) as exc:
-            return str(exc)
-        return None
 
     # ================================================================== snapshots
     def snapshot(
@@ -968,16 +870,6 @@ class SwapStore:
         return f"SwapStore({str(self.path)!r}, {kind}, {state})"
 
 
-@dataclasses.dataclass(frozen=True)
-class _ChunkRef:
-    """One chunk file and the checksum its bytes must have, captured under the lock."""
-
-    key: str
-    index: int
-    path: Path
-    crc: int
-
-
 def _check_region(
     meta: ArrayMeta, start: int, stop: int, dtype: torch.dtype | None = None
 ) -> range:
@@ -993,16 +885,6 @@ def _check_region(
             f"key {meta.key!r} holds {meta.dtype}, not {dtype}; convert the tensor first"
         )
     return meta.chunk_span(start, stop)
-
-
-def _overlap(offset: int, length: int, start: int, nbytes: int) -> tuple[int, int]:
-    """Byte range shared by a chunk ``[offset, offset + length)`` and a region."""
-    return max(offset, start), min(offset + length, start + nbytes)
-
-
-def _scratch_chunk(length: int) -> np.ndarray:
-    """A page-aligned buffer for a whole chunk read (only partly covered chunks need one)."""
-    return aligned_empty((length,), torch.uint8, pin=False).numpy()
 
 
 def _region_out(meta: ArrayMeta, numel: int, out: torch.Tensor | None) -> torch.Tensor:
