@@ -171,7 +171,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._finalizer()
             raise
-        self._hook_handles = _hooks.register(self)
+        self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
+        self._final: set[int] = set()  # slots whose gradient is final in this step
+        self._hook_handles = _hooks.register(self, [s.param for s in self._slots])
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
@@ -285,7 +287,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
         self._start(resume=False)
         _hooks.remove(self._hook_handles)
-        self._hook_handles = _hooks.register(self)
+        self._hook_handles = _hooks.register(self, [s.param for s in self._slots])
 
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
@@ -303,7 +305,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if piece.index not in self._stepped and any(s.index in live for s in piece.slots)
         ]
         try:
-            self.step_slices(pieces, live)
+            self._step_slices(pieces, live)
             if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
                 for index in live:
                     self._slots[index].param.grad = None
@@ -311,7 +313,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._backend.pipeline.release()
             plan, self._plan_of_step = self._plan_of_step, None
             self._stepped.clear()
-            _hooks.new_cycle(self)
+            self._final.clear()
         if plan is not None:
             for index, small in plan.small_after.items():  # only now: hooks share small_before
                 self._small[index] = small
@@ -322,13 +324,46 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.commit()
         return loss
 
-    def step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
+    def grad_final(self, param: torch.Tensor) -> None:
+        """Called by the post-accumulate-grad hook of ``param``: its gradient is final.
+
+        Starts the reads of its slices (as far as the budget allows), or, with
+        ``overlap="backward"``, steps each of its slices whose parameters' gradients are all
+        final (every ``accumulation_steps`` backward passes) and frees the gradients of the
+        parameters whose slices have all stepped.
+        """
+        slot = self._slot_of.get(id(param))
+        if slot is None or self._backend.closed:
+            return
+        if self._config.overlap != "backward":
+            self._backend.pipeline.prefetch([self._job(p) for p in self._slices_of[slot.index]])
+            return
+        count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
+        if count % self._config.accumulation_steps:
+            return
+        self._final.add(slot.index)
+        ready = [p for p in self._slices_of[slot.index] if self._ready_in_backward(p)]
+        if ready:
+            with torch.no_grad():
+                self._step_slices(ready)
+        for index in {seg.slot.index for piece in ready for seg in piece.segments}:
+            if all(p.index in self._stepped for p in self._slices_of[index]):
+                self._slots[index].param.grad = None
+
+    def _ready_in_backward(self, piece: Slice) -> bool:
+        """Not yet stepped, and every parameter that will get a gradient has its final one."""
+        return piece.index not in self._stepped and all(
+            seg.slot.index in self._final or not seg.slot.param.requires_grad
+            for seg in piece.segments
+        )
+
+    def _step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
         """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
         plan = self._plan_of_step
         if plan is None:
             plan = self._plan_of_step = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
-        jobs = [self.job(piece) for piece in pieces]
+        jobs = [self._job(piece) for piece in pieces]
         self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
         self._stepped.update(piece.index for piece in pieces)
 
@@ -355,7 +390,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         every = self._config.commit_every
         return bool(every) and (self._steps + 1) % every == 0
 
-    def job(self, piece: Slice) -> Job:
+    def _job(self, piece: Slice) -> Job:
         """The pipeline job of ``piece``: its reads, bytes and residency."""
         return Job(
             piece.index,
