@@ -252,3 +252,25 @@ def test_scratch_get_during_a_put_of_the_same_key_reads_a_whole_version(
         assert isinstance(got["value"], torch.Tensor), got["value"]
         assert torch.equal(got["value"], torch.ones(3000))
         assert torch.equal(store.get("x"), torch.zeros(3000))
+
+
+# ---------------------------------------------------------------- put_many (for item 8)
+@pytest.mark.parametrize("durable", [True, False])
+def test_put_many_is_all_or_none(store_path: Path, durable: bool) -> None:
+    with ts.SwapStore(store_path, chunk_bytes="4KiB", durable=durable) as store:
+        store.put("a", torch.ones(3000))
+        store.put("b", torch.ones(10))
+        store.commit()
+        new = {"a": torch.zeros(3000), "b": torch.zeros(20), "c": torch.zeros(5)}
+        inject(store, fail={"write_file": {4}})
+        with pytest.raises(OSError, match="Input/output"):
+            store.put_many(new)
+        assert store.keys() == ["a", "b"]
+        assert torch.equal(store.get("a"), torch.ones(3000))
+        assert torch.equal(store.get("b"), torch.ones(10))
+        store.put_many(new)  # the fifth and later writes succeed
+        for key, value in new.items():
+            assert torch.equal(store.get(key), value)
+        store.commit()
+        assert store.verify() == []
+    assert _staging_is_empty(store_path)

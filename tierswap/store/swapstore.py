@@ -25,7 +25,7 @@ import os
 import shutil
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -213,11 +213,6 @@ class SwapStore:
         self._check_open()
         self._active += 1
 
-    def _end(self) -> None:
-        with self._cv:
-            self._active -= 1
-            self._cv.notify_all()
-
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Run the block alone: after the exclusive section before it and every shared
@@ -238,15 +233,23 @@ class SwapStore:
     def _wait_key(self, key: str, *, readers: bool = False) -> None:
         """Wait (``_cv`` held) out a commit and ``key``'s put and region writes in flight
         (their failures are the writer's to report), and with ``readers`` its reads too."""
+        self._wait_keys([key], readers=readers)
+
+    def _wait_keys(self, keys: list[str], *, readers: bool = False) -> None:
+        """:meth:`_wait_key` for several keys at once (none is claimed while waiting, so a
+        commit never waits for a caller that waits for it)."""
         while True:
             while self._committing:
                 self._cv.wait()
             self._check_open()
-            entry = self._entries.get(key)
-            busy = key in self._pending or self._region_writes[key] > 0
-            if not (busy or (readers and entry is not None and entry.readers)):
+            if not any(self._key_busy(key, readers) for key in keys):
                 return
             self._cv.wait()
+
+    def _key_busy(self, key: str, readers: bool) -> bool:
+        entry = self._entries.get(key)
+        busy = key in self._pending or self._region_writes[key] > 0
+        return busy or (readers and entry is not None and entry.readers > 0)
 
     # ================================================================== writes
     def put(self, key: str, tensor: torch.Tensor) -> None:
@@ -260,6 +263,57 @@ class SwapStore:
         validate_key(key)
         source = as_cpu_contiguous(tensor)
         return self._start_put(key, source.dtype, tuple(source.shape), source)
+
+    def put_many(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Store every tensor of ``tensors`` (key -> tensor), all or none.
+
+        The writes run in parallel; the keys change only once all of them succeeded, so when
+        one fails (disk full, ...) no key changes and its error is raised.
+        """
+        self._check_writable()
+        sources = {validate_key(k): as_cpu_contiguous(t) for k, t in tensors.items()}
+        metas = {key: self._new_meta(key, t.dtype, tuple(t.shape)) for key, t in sources.items()}
+        results: dict[str, Future[Any]] = {key: Future() for key in sources}
+        with self._cv:
+            self._wait_keys(list(sources), readers=not self.durable)
+            added: list[str] = []
+            try:
+                for key in sources:
+                    self._names.check(key)
+                    self._names.add(key)
+                    added.append(key)
+            except BaseException:
+                for key in added:
+                    self._names.remove(key)
+                raise
+            self._pending.update(results)
+            self._active += len(sources)
+            seqs = {key: next(self._seq) for key in sources}
+        for key, source in sources.items():
+            self._submit_put(metas[key], source, seqs[key], results[key], install=False)
+        self._install_all(results)
+
+    def _install_all(self, results: dict[str, Future[Any]]) -> None:
+        """Install the writes of :meth:`put_many` once all ended, or none; then unregister."""
+        written, error = [], None
+        for future in results.values():
+            try:
+                written.append(future.result())
+            except BaseException as exc:
+                error = error or exc
+        try:
+            if error is None:
+                for meta, paths in written:
+                    self._install(meta, paths)
+        except OSError as exc:
+            error = translate_os_error(exc, "installing the keys of put_many")
+        finally:
+            if error is not None:
+                _unlink_all(path for _meta, paths in written for path in paths)
+            for key, future in results.items():
+                self._unregister_put(key, future)
+        if error is not None:
+            raise error
 
     def create(self, key: str, shape: Iterable[int], dtype: torch.dtype) -> None:
         """Store a tensor of zeros under ``key`` without writing its bytes.
@@ -285,10 +339,7 @@ class SwapStore:
         A scratch store's put renames over the files that reads of the key use: it waits for
         them. Registered here, undone by :meth:`_finish_put` whatever happens next.
         """
-        nbytes = math.prod(shape) * dtype.itemsize
-        meta = ArrayMeta(
-            key, dtype, shape, chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
-        )
+        meta = self._new_meta(key, dtype, shape)
         with self._cv:
             self._wait_key(key, readers=not self.durable)
             self._names.check(key)
@@ -300,8 +351,19 @@ class SwapStore:
         self._submit_put(meta, source, seq, result)
         return result
 
+    def _new_meta(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayMeta:
+        nbytes = math.prod(shape) * dtype.itemsize
+        chunk = chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
+        return ArrayMeta(key, dtype, shape, chunk)
+
     def _submit_put(
-        self, meta: ArrayMeta, source: torch.Tensor | None, seq: int, result: Future[None]
+        self,
+        meta: ArrayMeta,
+        source: torch.Tensor | None,
+        seq: int,
+        result: Future[Any],
+        *,
+        install: bool = True,
     ) -> None:
         paths: list[Path] = []
         futures: list[Future[int]] = []
@@ -326,7 +388,9 @@ class SwapStore:
             failed.set_exception(exc)
             futures.append(failed)
         done = gather(futures)
-        done.add_done_callback(lambda f: self._finish_put(meta, paths, source, f, result))
+        done.add_done_callback(
+            lambda f: self._finish_put(meta, paths, source, f, result, install=install)
+        )
 
     def _new_chunk_path(self, key: str, seq: int, index: int) -> Path:
         if self.durable:
@@ -383,28 +447,41 @@ class SwapStore:
         paths: list[Path],
         source: torch.Tensor,
         done: Future[list[int]],
-        result: Future[None],
+        result: Future[Any],
+        *,
+        install: bool = True,
     ) -> None:
+        """Install finished writes (or undo failed ones) and unregister the put; with
+        ``install=False`` only report ``(meta, paths)``: the caller installs and unregisters."""
         del source  # kept alive until the writes finished
         error = done.exception()
+        written = dataclasses.replace(meta, crcs=tuple(done.result())) if error is None else meta
         try:
-            if error is None:
-                self._install(dataclasses.replace(meta, crcs=tuple(done.result())), paths)
+            if error is None and install:
+                self._install(written, paths)
         except OSError as exc:
             error = translate_os_error(exc, f"installing key {meta.key!r}")
         if error is not None:
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        with self._cv:
-            if self._pending.get(meta.key) is result:
-                del self._pending[meta.key]
-            self._names.remove(meta.key)
-        self._end()
+            _unlink_all(paths)
+        if not install:
+            if error is None:
+                result.set_result((written, paths))
+            else:
+                result.set_exception(error)
+            return
+        self._unregister_put(meta.key, result)
         if error is None:
             result.set_result(None)
         else:
             result.set_exception(error)
+
+    def _unregister_put(self, key: str, result: Future[Any]) -> None:
+        with self._cv:
+            if self._pending.get(key) is result:
+                del self._pending[key]
+            self._names.remove(key)
+            self._active -= 1
+            self._cv.notify_all()
 
     def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
         """Make freshly written chunk files the current version of ``meta.key``."""
