@@ -30,6 +30,7 @@ from tierswap.cache._tiers import (
     Meta,
     Tier,
     TierName,
+    WriteBack,
 )
 from tierswap.cache.policies import EvictionPolicy, make_policy
 from tierswap.cache.stats import CacheStats, TierStats
@@ -96,7 +97,8 @@ class TierCache(CacheCore):
         """The item's tensor at ``tier``, read or moved there first when needed (blocks).
 
         ``tier=None`` picks the device tier when it is on and the item fits, else host. At the host
-        tier the cached buffer itself is returned (no copy).
+        tier the cached buffer itself is returned (no copy): a later :meth:`put` of the key with
+        the same shape writes into that buffer, under the caller. Clone it to keep the value.
         """
         with self._claimed(key, tier) as entry:
             return entry.tensor
@@ -129,7 +131,8 @@ class TierCache(CacheCore):
         """Store a copy of ``tensor`` under ``key`` at ``tier`` (dirty until written down).
 
         ``tier=None`` places it in the highest tier it fits, or writes it straight to the store
-        when it fits none; ``tier="nvme"`` always writes through to the store.
+        when it fits none; ``tier="nvme"`` always writes through to the store. Gets of the key
+        wait for a write-through in flight; if it fails the key keeps its old value.
         """
         key = validate_key(key)
         if not isinstance(tensor, torch.Tensor):
@@ -144,11 +147,26 @@ class TierCache(CacheCore):
             if target != "nvme":
                 self._put_in_tier(key, tensor, meta, target)
                 self._queue_lookahead(target)
+            else:  # reads of the key wait (as for a write-back) until the store has it
+                self._writing[key] = WriteBack(Entry(key, meta, "host", tensor))
         self._drain()
         if target == "nvme":
+            self._write_through(key, tensor, meta)
+
+    def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
+        """Write ``tensor`` to the store (lock not held); on failure forget its metadata."""
+        ok = False
+        try:
             self.store.put(key, tensor)
+            ok = True
+        finally:
             with self._cv:
-                self._count_io("written", meta.nbytes)
+                del self._writing[key]
+                if ok:
+                    self._count_io("written", meta.nbytes)
+                else:  # the store still holds the old value: look its shape up again
+                    self._meta.pop(key, None)
+                self._wake_pump()
 
     def prefetch(self, keys: Iterable[str], tier: TierArg = "host") -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.

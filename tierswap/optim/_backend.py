@@ -96,6 +96,12 @@ class StateBackend:
         self.store.put(key, tensor)
         self.known.add(key)
 
+    def put_many(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Add or replace several keys whole, all or none (a failed write changes none)."""
+        self.pipeline.evict()
+        self.store.put_many(tensors)
+        self.known.update(tensors)
+
     def put_regions(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write regions, all in flight at once; the tensors must not change until this returns."""
         futures = [self.store.put_region_async(r.key, r.start, t) for r, t in writes.items()]

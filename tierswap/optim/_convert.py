@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from tierswap.optim._config import SwapConfig
-from tierswap.optim.optimizer import SwapOptimizer
+from tierswap.optim.optimizer import SwapOptimizer, _check_class
 
 __all__ = ["offload", "swapped"]
 
@@ -23,6 +23,7 @@ def offload(optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimiz
         raise TypeError("optimizer is already a SwapOptimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_class(type(optimizer))
     config = SwapConfig(**swap_kwargs)
     swap = SwapOptimizer.__new__(SwapOptimizer)
     swap._setup(optimizer, config)  # moves the optimizer's state into the swap space

@@ -190,6 +190,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
     """Load through the inner optimizer so torch's own checks and casts apply (to the masters).
 
     Master weights are not part of torch's format: they are refreshed from the model params.
+    All or nothing: when a write fails (disk full, ...) the optimizer is left as it was.
     """
     inner = optimizer._inner
     optimizer._backend.pipeline.evict()
@@ -206,10 +207,10 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
         loaded_state, loaded_groups = inner.state, inner.param_groups
     finally:
         inner.param_groups, inner.state = optimizer._inner_groups, defaultdict(dict)
+    states = [loaded_state.get(target, {}) for target in targets]
+    _replace_states(optimizer, list(zip(optimizer._slots, states, strict=True)))
     for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
         group.update(_hyper(loaded))
-    for slot, target in zip(optimizer._slots, targets, strict=True):
-        _replace_state(optimizer, slot, loaded_state.get(target, {}))
 
 
 def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
@@ -220,20 +221,34 @@ def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
 
 
 def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) -> None:
+    _replace_states(optimizer, [(slot, state)])
+
+
+def _replace_states(optimizer: SwapOptimizer, states: list[tuple[Slot, dict[str, Any]]]) -> None:
+    """Give each slot its new state, all or nothing: every tensor (and refreshed master) is
+    written first, in one all-or-none put; only then are old names dropped and scalars set."""
     backend = optimizer._backend
-    for name in optimizer._state_names.pop(slot.index, []):
-        backend.delete(f"{slot.prefix}/{name}")
-    small = {}
-    for name, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            backend.put(f"{slot.prefix}/{name}", local_tensor(value))
-            optimizer._state_names[slot.index].append(name)
-        else:
-            small[name] = value
-    optimizer._small[slot.index] = small
-    if slot.has_master:
-        master = slot.local.detach().to(optimizer.compute_device, master_dtype(slot.param))
-        backend.put(slot.master_key, master)
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, list[str]] = {}
+    smalls: dict[int, dict[str, Any]] = {}
+    for slot, state in states:
+        names[slot.index], smalls[slot.index] = [], {}
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"{slot.prefix}/{name}"] = local_tensor(value)
+                names[slot.index].append(name)
+            else:
+                smalls[slot.index][name] = value
+        if slot.has_master:  # on the host: all masters are held until the put ends
+            tensors[slot.master_key] = slot.local.detach().to("cpu", master_dtype(slot.param))
+    backend.put_many(tensors)
+    for slot, _state in states:
+        for name in optimizer._state_names.pop(slot.index, []):
+            if name not in names[slot.index]:
+                backend.delete(f"{slot.prefix}/{name}")
+        if names[slot.index]:
+            optimizer._state_names[slot.index] = names[slot.index]
+        optimizer._small[slot.index] = smalls[slot.index]
 
 
 class SwappedState(defaultdict):

@@ -145,9 +145,16 @@ def parse_array_document(key: str, doc: Any) -> ArrayMeta:
             chunk_bytes=int(attrs["chunk_bytes"]),
             crcs=tuple(int(c) for c in attrs["crc32c"]),
         )
-    except (KeyError, TypeError, ValueError, InvalidTensorError) as exc:
+        shape = doc.get("shape")
+    except (KeyError, TypeError, ValueError, AttributeError, InvalidTensorError) as exc:
         raise CorruptionError(f"metadata of key {key!r} is damaged: {exc!r}") from exc
-    if len(meta.crcs) != meta.nchunks or meta.chunk_bytes % ALIGN or doc["shape"] != [meta.numel]:
+    sizes_ok = meta.chunk_bytes > 0 and meta.chunk_bytes % ALIGN == 0
+    if not sizes_ok or any(d < 0 for d in meta.shape):
+        raise CorruptionError(
+            f"metadata of key {key!r} is inconsistent: chunk_bytes {meta.chunk_bytes}, "
+            f"shape {list(meta.shape)}"
+        )
+    if len(meta.crcs) != meta.nchunks or shape != [meta.numel]:
         raise CorruptionError(f"metadata of key {key!r} is inconsistent (chunks, sizes or shape)")
     return meta
 

@@ -11,11 +11,7 @@ streamed a slice at a time. A region write replaces whole chunk files (durable: 
 files, committed like a put; scratch: overwritten in place), reading and re-checking a chunk
 first only where the region covers it partly.
 
-Thread safety: all methods may be called from any thread. A put of a key waits for an earlier
-put of the same key; a get of a key waits for its in-flight put; region operations wait only
-for the writes of the chunks they touch (and a scratch store's in-place region write for the
-reads of those chunks); ``commit()`` waits for every operation in flight and holds new ones
-back until it is done.
+Thread safety: see :class:`SwapStore`.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import os
 import shutil
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -102,6 +98,25 @@ class SwapStore:
         Largest chunk file (a multiple of 4 KiB). Small tensors use one page-rounded chunk.
     io:
         I/O engine settings; default ``IOConfig.default()`` (``$TIERSWAP_CONFIG`` if set).
+
+    Notes
+    -----
+    Thread safety: every method may be called from any thread. One gate, ``_cv`` with
+    :meth:`_begin` (shared) and :meth:`_exclusive`, orders them:
+
+    - puts, gets, region operations, ``delete`` and ``verify`` are *shared*: they run together;
+    - ``commit()``, ``close()`` and the listing step of ``snapshot()`` are *exclusive*: each
+      waits for the shared operations in flight, holds new ones back, and runs alone (two
+      commits run one after the other; ``close()`` during a commit waits for it);
+    - per key: a put waits for an earlier put or region write of the key; a get, ``info`` or
+      region operation waits for the key's put in flight; a scratch store's put also waits for
+      the key's reads (it renames over the files they read); region operations wait only for
+      the writes (and a scratch store's in-place write for the reads) of the chunks they touch;
+    - a key is in the store (``in``, :meth:`keys`) from the moment its first put starts; a put
+      that fails removes it again.
+
+    Anything an operation registers is undone when it fails, so a failed call leaves the store
+    as it was (a scratch store's put that fails while renaming leaves its key damaged).
     """
 
     def __init__(
@@ -134,7 +149,8 @@ class SwapStore:
         self._chunk_reads: Counter[tuple[str, int]] = Counter()  # chunks region reads use
         self._region_writes: Counter[str] = Counter()  # region writes in flight per key
         self._active = 0
-        self._committing = False
+        self._committing = False  # an exclusive section (commit, close, snapshot) runs
+        self._broken: str | None = None  # a commit failed after its commit point
         self._closed = True
         self._seq = itertools.count()
         self._open(mode)
@@ -155,6 +171,14 @@ class SwapStore:
                 self._folder.unlock()
                 raise
         self._chunks = ChunkFiles(self._engine, sync_each_chunk=self._sync_each_chunk)
+        try:
+            self._load_index()
+        except BaseException:  # a store that cannot open keeps neither the lock nor threads
+            self._engine.close()
+            self._folder.unlock()
+            raise
+
+    def _load_index(self) -> None:
         index = self._folder.load(through_journal=self.readonly)
         self.generation, self.meta, self._damaged = index.generation, index.meta, index.damaged
         if self.readonly:  # a reader reports how the store was written
@@ -171,6 +195,11 @@ class SwapStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {str(self.path)!r} is closed; open a new SwapStore")
+        if self._broken is not None:
+            raise StoreClosedError(
+                f"store {str(self.path)!r}: a commit failed after its commit point "
+                f"({self._broken}); close and reopen the store, which finishes that commit"
+            )
 
     def _check_writable(self) -> None:
         self._check_open()
@@ -184,23 +213,43 @@ class SwapStore:
         self._check_open()
         self._active += 1
 
-    def _end(self) -> None:
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Run the block alone: after the exclusive section before it and every shared
+        operation in flight, with new ones held back until it ends."""
         with self._cv:
-            self._active -= 1
-            self._cv.notify_all()
-
-    def _wait_pending(self, key: str) -> None:
-        """Wait for in-flight puts and region writes of ``key`` (their failures are the
-        writer's to report)."""
-        while True:
+            while self._committing:
+                self._cv.wait()
+            self._committing = True
+            while self._active:
+                self._cv.wait()
+        try:
+            yield
+        finally:
             with self._cv:
-                while self._region_writes[key] and key not in self._pending:
-                    self._cv.wait()
-                future = self._pending.get(key)
-            if future is None:
+                self._committing = False
+                self._cv.notify_all()
+
+    def _wait_key(self, key: str, *, readers: bool = False) -> None:
+        """Wait (``_cv`` held) out a commit and ``key``'s put and region writes in flight
+        (their failures are the writer's to report), and with ``readers`` its reads too."""
+        self._wait_keys([key], readers=readers)
+
+    def _wait_keys(self, keys: list[str], *, readers: bool = False) -> None:
+        """:meth:`_wait_key` for several keys at once (none is claimed while waiting, so a
+        commit never waits for a caller that waits for it)."""
+        while True:
+            while self._committing:
+                self._cv.wait()
+            self._check_open()
+            if not any(self._key_busy(key, readers) for key in keys):
                 return
-            with contextlib.suppress(Exception):
-                future.result()
+            self._cv.wait()
+
+    def _key_busy(self, key: str, readers: bool) -> bool:
+        entry = self._entries.get(key)
+        busy = key in self._pending or self._region_writes[key] > 0
+        return busy or (readers and entry is not None and entry.readers > 0)
 
     # ================================================================== writes
     def put(self, key: str, tensor: torch.Tensor) -> None:
@@ -214,6 +263,57 @@ class SwapStore:
         validate_key(key)
         source = as_cpu_contiguous(tensor)
         return self._start_put(key, source.dtype, tuple(source.shape), source)
+
+    def put_many(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Store every tensor of ``tensors`` (key -> tensor), all or none.
+
+        The writes run in parallel; the keys change only once all of them succeeded, so when
+        one fails (disk full, ...) no key changes and its error is raised.
+        """
+        self._check_writable()
+        sources = {validate_key(k): as_cpu_contiguous(t) for k, t in tensors.items()}
+        metas = {key: self._new_meta(key, t.dtype, tuple(t.shape)) for key, t in sources.items()}
+        results: dict[str, Future[Any]] = {key: Future() for key in sources}
+        with self._cv:
+            self._wait_keys(list(sources), readers=not self.durable)
+            added: list[str] = []
+            try:
+                for key in sources:
+                    self._names.check(key)
+                    self._names.add(key)
+                    added.append(key)
+            except BaseException:
+                for key in added:
+                    self._names.remove(key)
+                raise
+            self._pending.update(results)
+            self._active += len(sources)
+            seqs = {key: next(self._seq) for key in sources}
+        for key, source in sources.items():
+            self._submit_put(metas[key], source, seqs[key], results[key], install=False)
+        self._install_all(results)
+
+    def _install_all(self, results: dict[str, Future[Any]]) -> None:
+        """Install the writes of :meth:`put_many` once all ended, or none; then unregister."""
+        written, error = [], None
+        for future in results.values():
+            try:
+                written.append(future.result())
+            except BaseException as exc:
+                error = error or exc
+        try:
+            if error is None:
+                for meta, paths in written:
+                    self._install(meta, paths)
+        except OSError as exc:
+            error = translate_os_error(exc, "installing the keys of put_many")
+        finally:
+            if error is not None:
+                _unlink_all(path for _meta, paths in written for path in paths)
+            for key, future in results.items():
+                self._unregister_put(key, future)
+        if error is not None:
+            raise error
 
     def create(self, key: str, shape: Iterable[int], dtype: torch.dtype) -> None:
         """Store a tensor of zeros under ``key`` without writing its bytes.
@@ -234,19 +334,16 @@ class SwapStore:
     def _start_put(
         self, key: str, dtype: torch.dtype, shape: tuple[int, ...], source: torch.Tensor | None
     ) -> Future[None]:
-        """Register and start a whole-tensor write (``source=None``: zeros)."""
-        self._wait_pending(key)
-        nbytes = math.prod(shape) * dtype.itemsize
-        meta = ArrayMeta(
-            key, dtype, shape, chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
-        )
+        """Register and start a whole-tensor write (``source=None``: zeros).
+
+        A scratch store's put renames over the files that reads of the key use: it waits for
+        them. Registered here, undone by :meth:`_finish_put` whatever happens next.
+        """
+        meta = self._new_meta(key, dtype, shape)
         with self._cv:
-            self._begin()
-            try:
-                self._names.check(key)
-            except BaseException:
-                self._active -= 1
-                raise
+            self._wait_key(key, readers=not self.durable)
+            self._names.check(key)
+            self._active += 1
             result: Future[None] = Future()
             self._pending[key] = result
             self._names.add(key)
@@ -254,28 +351,46 @@ class SwapStore:
         self._submit_put(meta, source, seq, result)
         return result
 
+    def _new_meta(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayMeta:
+        nbytes = math.prod(shape) * dtype.itemsize
+        chunk = chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
+        return ArrayMeta(key, dtype, shape, chunk)
+
     def _submit_put(
-        self, meta: ArrayMeta, source: torch.Tensor | None, seq: int, result: Future[None]
+        self,
+        meta: ArrayMeta,
+        source: torch.Tensor | None,
+        seq: int,
+        result: Future[Any],
+        *,
+        install: bool = True,
     ) -> None:
-        flat = flat_bytes(source) if source is not None else None
         paths: list[Path] = []
-        futures = []
-        for i in range(meta.nchunks):
-            offset, length = meta.payload(i)
-            if flat is None:
-                paths.append(self._new_chunk_path(meta.key, seq, i))
+        futures: list[Future[int]] = []
+        try:
+            flat = flat_bytes(source) if source is not None else None
+            for i in range(meta.nchunks):
+                offset, length = meta.payload(i)
+                if flat is None:
+                    paths.append(self._new_chunk_path(meta.key, seq, i))
+                    futures.append(
+                        self._engine.submit(self._chunks.zero, paths[-1], length, meta.chunk_bytes)
+                    )
+                    continue
+                path, recycled = self._write_target(meta, seq, i)
+                paths.append(path)
+                piece = flat[offset : offset + length]
                 futures.append(
-                    self._engine.submit(self._chunks.zero, paths[-1], length, meta.chunk_bytes)
+                    self._engine.submit(self._chunks.write, path, piece, meta.chunk_bytes, recycled)
                 )
-                continue
-            path, recycled = self._write_target(meta, seq, i)
-            paths.append(path)
-            piece = flat[offset : offset + length]
-            futures.append(
-                self._engine.submit(self._chunks.write, path, piece, meta.chunk_bytes, recycled)
-            )
+        except BaseException as exc:  # failed to start: undone once the started writes end
+            failed: Future[int] = Future()
+            failed.set_exception(exc)
+            futures.append(failed)
         done = gather(futures)
-        done.add_done_callback(lambda f: self._finish_put(meta, paths, source, f, result))
+        done.add_done_callback(
+            lambda f: self._finish_put(meta, paths, source, f, result, install=install)
+        )
 
     def _new_chunk_path(self, key: str, seq: int, index: int) -> Path:
         if self.durable:
@@ -313,35 +428,53 @@ class SwapStore:
         paths: list[Path],
         source: torch.Tensor,
         done: Future[list[int]],
-        result: Future[None],
+        result: Future[Any],
+        *,
+        install: bool = True,
     ) -> None:
+        """Install finished writes (or undo failed ones) and unregister the put; with
+        ``install=False`` only report ``(meta, paths)``: the caller installs and unregisters."""
         del source  # kept alive until the writes finished
         error = done.exception()
+        written = dataclasses.replace(meta, crcs=tuple(done.result())) if error is None else meta
         try:
-            if error is None:
-                self._install(dataclasses.replace(meta, crcs=tuple(done.result())), paths)
+            if error is None and install:
+                self._install(written, paths)
         except OSError as exc:
             error = translate_os_error(exc, f"installing key {meta.key!r}")
         if error is not None:
-            for path in paths:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        with self._cv:
-            if self._pending.get(meta.key) is result:
-                del self._pending[meta.key]
-            self._names.remove(meta.key)
-        self._end()
+            _unlink_all(paths)
+        if not install:
+            if error is None:
+                result.set_result((written, paths))
+            else:
+                result.set_exception(error)
+            return
+        self._unregister_put(meta.key, result)
         if error is None:
             result.set_result(None)
         else:
             result.set_exception(error)
 
+    def _unregister_put(self, key: str, result: Future[Any]) -> None:
+        with self._cv:
+            if self._pending.get(key) is result:
+                del self._pending[key]
+            self._names.remove(key)
+            self._active -= 1
+            self._cv.notify_all()
+
     def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
         """Make freshly written chunk files the current version of ``meta.key``."""
         if not self.durable:  # scratch: rename over the old chunks, drop any extra ones
             finals = [self.path / chunk_relpath(meta.key, i) for i in range(len(paths))]
-            for path, final in zip(paths, finals, strict=True):
-                os.replace(path, final)
+            for i, (path, final) in enumerate(zip(paths, finals, strict=True)):
+                try:
+                    os.replace(path, final)
+                except OSError as exc:
+                    if i:  # old and new chunk files mixed: neither version is there
+                        self._damage(meta.key, f"a put failed midway through its renames: {exc}")
+                    raise
             old = self._entries.get(meta.key)
             for extra in old.files[len(finals) :] if old else []:
                 with contextlib.suppress(FileNotFoundError):
@@ -351,10 +484,21 @@ class SwapStore:
             old = self._entries.get(meta.key)
             staged = set(range(len(paths))) if self.durable else set()
             self._entries[meta.key] = _Entry(meta, paths, staged=staged, dirty=True)
-            if old is None:
-                self._names.add(meta.key)
+            if old is None and self._damaged.pop(meta.key, None) is None:
+                self._names.add(meta.key)  # (a damaged key already counts as live)
         if old is not None:
             self._retire(old)
+
+    def _damage(self, key: str, why: str) -> None:
+        """Report ``key`` as damaged (a scratch store's in-place change failed midway): reads
+        raise, :meth:`verify` lists it, a put or delete repairs it. Its files stay as they
+        are until then (the next commit leaves them alone, so a reopen finds the damage)."""
+        with self._cv:
+            entry = self._entries.pop(key, None)
+            self._committed.pop(key, None)
+            self._damaged[key] = f"{why}; put the key again or delete it"
+        if entry is not None:
+            self._retire(entry)
 
     def _retire(self, entry: _Entry) -> None:
         """Delete a superseded entry's staged files once no read uses them."""
@@ -370,11 +514,8 @@ class SwapStore:
         """Remove ``key``; the removal is durable after the next :meth:`commit`."""
         self._check_writable()
         validate_key(key)
-        self._wait_pending(key)
         with self._cv:
-            self._check_open()
-            while self._committing:
-                self._cv.wait()
+            self._wait_key(key)
             entry = self._entries.pop(key, None)
             damaged = self._damaged.pop(key, None)
             if entry is None and damaged is None:
@@ -394,10 +535,10 @@ class SwapStore:
         """Start reading ``key`` into ``out`` (or a new page-aligned tensor)."""
         self._check_open()
         validate_key(key)
-        self._wait_pending(key)
         with self._cv:
+            self._wait_key(key)
             entry = self._lookup(key)
-            self._begin()
+            self._active += 1
             entry.readers += 1
         try:
             out = prepare_out(entry.meta, out)
@@ -615,9 +756,10 @@ class SwapStore:
         """Every key currently visible (committed or not), sorted."""
         self._check_open()
         with self._cv:
-            return sorted(self._entries.keys() | self._damaged.keys())
+            return sorted(self._entries.keys() | self._damaged.keys() | self._pending.keys())
 
     def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is stored, damaged or being put (like :meth:`keys`)."""
         with self._cv:
             return key in self._entries or key in self._damaged or key in self._pending
 
@@ -630,8 +772,9 @@ class SwapStore:
     def info(self, key: str) -> ArrayInfo:
         """dtype, shape and sizes of ``key`` without reading its data."""
         self._check_open()
-        self._wait_pending(validate_key(key))
+        validate_key(key)
         with self._cv:
+            self._wait_key(key)
             return self._lookup(key).meta.info()
 
     @property
@@ -662,18 +805,12 @@ class SwapStore:
         self._check_writable()
         meta = dict(self.meta if meta is None else meta)
         _check_json(meta)
-        with self._cv:
-            self._committing = True
-            while self._active:
-                self._cv.wait()
-        try:
-            return self._commit_locked(meta)
-        finally:
-            with self._cv:
-                self._committing = False
-                self._cv.notify_all()
+        with self._exclusive():
+            self._check_writable()  # closed, or broken, while this call waited
+            return self._commit_alone(meta)
 
-    def _commit_locked(self, meta: dict[str, Any]) -> int:
+    def _commit_alone(self, meta: dict[str, Any]) -> int:
+        """The commit itself; the caller holds the gate exclusively."""
         generation = self.generation + 1
         current = {key: entry.meta for key, entry in self._entries.items()}
         changed = {
@@ -714,8 +851,13 @@ class SwapStore:
                 )
             else:
                 journal.apply_in_place(self.path, plan, documents)
-        except OSError as exc:
-            raise translate_os_error(exc, f"committing store {str(self.path)!r}") from exc
+        except BaseException as exc:
+            if self.durable and (self._folder.internal / journal.JOURNAL).exists():
+                # Past the commit point: the journal is the truth, this object's view is not.
+                self._broken = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, OSError):
+                raise translate_os_error(exc, f"committing store {str(self.path)!r}") from exc
+            raise
         if self._spares is not None:
             self._spares.adopt(spare for _final, spare in recycle)
         for key, entry in self._entries.items():
@@ -778,8 +920,10 @@ class SwapStore:
     def verify(self) -> list[str]:
         """Check every chunk's CRC32C and every metadata document; list what is damaged."""
         self._check_open()
-        problems = [f"key {key!r}: {why}" for key, why in sorted(self._damaged.items())]
-        for key in sorted(self._entries):
+        with self._cv:
+            damaged, keys = sorted(self._damaged.items()), sorted(self._entries)
+        problems = [f"key {key!r}: {why}" for key, why in damaged]
+        for key in keys:
             problems += self._verify_key(key)
         return problems
 
@@ -816,24 +960,14 @@ class SwapStore:
     @contextlib.contextmanager
     def _commits_held(self) -> Iterator[None]:
         """The commit gate, held: the committed files stay where they are inside the block."""
-        with self._cv:
-            while self._committing:
-                self._cv.wait()
+        with self._exclusive():
             self._check_open()
-            self._committing = True
-            while self._active:
-                self._cv.wait()
-        try:
             if not self.durable and (self._purged or any(e.dirty for e in self._entries.values())):
                 raise NoCommitError(
                     f"scratch store {str(self.path)!r} changed since its last commit and wrote "
                     "over it in place; call commit() before taking a snapshot"
                 )
             yield
-        finally:
-            with self._cv:
-                self._committing = False
-                self._cv.notify_all()
 
     # ================================================================== lifetime
     def close(self) -> None:
@@ -841,20 +975,22 @@ class SwapStore:
         discarded; a scratch store commits its metadata first."""
         if self._closed:
             return
-        with self._cv:
-            while self._active:
-                self._cv.wait()
-        try:
-            if not self.readonly and not self.durable:
-                self.commit()
-        finally:
-            self._closed = True
-            self._engine.close()
-            if not self.readonly:
-                shutil.rmtree(self._folder.staging, ignore_errors=True)
-            if self._spares is not None:
-                self._spares.clear()
-            self._folder.unlock()
+        with self._exclusive():
+            if self._closed:  # another thread closed it while this one waited
+                return
+            try:
+                if not self.readonly and not self.durable and self._broken is None:
+                    self._commit_alone(dict(self.meta))
+            finally:
+                self._closed = True
+                self._engine.close()
+                # A journal left by a commit that failed after its commit point names staged
+                # files: they stay for the next writer, which rolls that commit forward.
+                if not self.readonly and not (self._folder.internal / journal.JOURNAL).exists():
+                    shutil.rmtree(self._folder.staging, ignore_errors=True)
+                if self._spares is not None:
+                    self._spares.clear()
+                self._folder.unlock()
 
     def __enter__(self) -> SwapStore:
         return self

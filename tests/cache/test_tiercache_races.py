@@ -1,0 +1,74 @@
+"""Races between a cache's puts and gets of one key, and what a returned tensor is."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+
+from tests.cache.conftest import LoggingStore
+from tierswap import TierCache
+
+
+def test_a_get_during_a_write_through_put_reads_the_new_value(logged: LoggingStore) -> None:
+    logged.put("x", torch.ones(4))
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_writes(kind: str, _key: str) -> None:
+        if kind == "write":
+            entered.set()
+            release.wait(10)
+
+    with TierCache(logged, device_budget=0, host_budget="1MiB") as cache:
+        logged.on_io = hold_writes  # the put has updated the cache and not yet reached the store
+        writer = threading.Thread(target=cache.put, args=("x", torch.arange(8.0), "nvme"))
+        writer.start()
+        assert entered.wait(5)
+        logged.on_io = None
+        got: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                got["value"] = cache.get("x", tier="host").clone()
+            except Exception as exc:
+                got["value"] = exc
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(0.3)
+        release.set()
+        writer.join(10)
+        reader.join(10)
+        assert not writer.is_alive()
+        assert not reader.is_alive()
+        assert isinstance(got["value"], torch.Tensor), got["value"]
+        assert torch.equal(got["value"], torch.arange(8.0))
+
+
+def test_a_failed_write_through_put_leaves_the_old_value_readable(store: Any) -> None:
+    store.put("x", torch.ones(4))
+
+    class Failing(LoggingStore):
+        def put(self, key: str, tensor: torch.Tensor) -> None:
+            raise OSError(28, "No space left on device")
+
+    with TierCache(Failing(store), device_budget=0, host_budget="1MiB") as cache:
+        with contextlib.suppress(OSError):
+            cache.put("x", torch.arange(8.0), tier="nvme")
+        assert torch.equal(cache.get("x", tier="host"), torch.ones(4))
+
+
+def test_a_host_get_returns_the_cached_buffer_that_a_same_shape_put_updates(store: Any) -> None:
+    """Pinned, documented behaviour: ``get`` at the host tier returns the cache's buffer, no
+    copy; a later put of the same shape writes into it. Callers who keep a value clone it."""
+    with TierCache(store, device_budget=0, host_budget="1MiB") as cache:
+        cache.put("k", torch.ones(4), tier="host")
+        held = cache.get("k", tier="host")
+        kept = held.clone()
+        cache.put("k", torch.zeros(4), tier="host")
+        assert torch.equal(held, torch.zeros(4))  # the buffer changed under the caller
+        assert torch.equal(kept, torch.ones(4))
+        cache.put("k", torch.zeros(5), tier="host")  # another shape: a new buffer
+        assert torch.equal(held, torch.zeros(4))
