@@ -130,3 +130,32 @@ def test_failing_work_and_writes_release_everything(store) -> None:
     failing.drain()  # the failure was reported once
     assert failing.held == 0
     assert torch.equal(store.get("a"), torch.arange(100.0))
+
+
+def test_a_write_that_cannot_start_releases_the_job(store) -> None:
+    pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
+
+    def to_a_missing_key(job, tensors):
+        return {Region("missing", 0, 1): torch.zeros(1)}
+
+    with pytest.raises(KeyError):
+        pipeline.run(_jobs()[:1], to_a_missing_key)
+    pipeline.release()
+    assert pipeline.held == 0
+
+
+def test_failing_work_on_a_resident_job_keeps_it_resident(store) -> None:
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    jobs = _jobs(resident=frozenset({0}))
+    pipeline.run(jobs[:1], _double)
+    held = pipeline.held
+
+    def broken(job, tensors):
+        raise RuntimeError("work failed")
+
+    with pytest.raises(RuntimeError):
+        pipeline.run(jobs[:1], broken)
+    assert pipeline.held == held
+    assert pipeline.resident("small") is not None
+    pipeline.flush()
+    assert torch.equal(store.get("a"), 2 * torch.arange(100.0))

@@ -136,7 +136,8 @@ class Pipeline:
             try:
                 writes = work(job, tensors)
             except BaseException:
-                self._give_back(job, tensors)
+                if job.name not in self._resident:  # a resident job keeps its tensors
+                    self._give_back(job, tensors)
                 raise
             self._finish(job, tensors, writes)
             self.prefetch(jobs[position + 1 :])
@@ -174,7 +175,14 @@ class Pipeline:
             kept.update(writes)
             self._resident_bytes[job.name] = job.nbytes
             return
-        futures = [self._store.put_region_async(r.key, r.start, t) for r, t in writes.items()]
+        futures: list[Future[Any]] = []
+        try:
+            for region, tensor in writes.items():
+                futures.append(self._store.put_region_async(region.key, region.start, tensor))
+        except BaseException:  # the writes started must end before the buffers are reused
+            gather(futures).exception()
+            self._give_back(job, tensors)
+            raise
         done = gather(futures)
         with self._cv:
             self._writes.append(done)
