@@ -219,8 +219,8 @@ def check_overlap(folder: Path, steps: int) -> None:
 def _peak_of(model, opt, data) -> int:
     """Peak device bytes allocated over training steps after the first (``opt=None``: no step).
 
-    The first step is left out: it creates the state, and the cache copies each new partition
-    while torch's freshly made tensors still exist.
+    The first step is left out: it creates the state, and torch's freshly made state of each
+    slice lives until its write-behind ends.
     """
     model.zero_grad(set_to_none=True)
     loss_of(model, data[0]).backward()

@@ -3,7 +3,7 @@
 The first step creates each slice's state with ``torch.zeros_like`` (torch's own lazy init),
 writes it to the store and frees it. glibc keeps such freed blocks in
 its heap (after the first large ``free`` it raises its mmap threshold), which would add up to a
-partition's worth of retained memory, often more through fragmentation, on top of the host
+slice's worth of retained memory, often more through fragmentation, on top of the host
 budget. ``malloc_trim(0)`` returns whole free pages; it costs well under a millisecond.
 """
 
