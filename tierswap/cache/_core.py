@@ -11,12 +11,14 @@ prefetches that the freed bytes allow.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,11 +38,30 @@ from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import format_size
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 
+if TYPE_CHECKING:
+    from tierswap.store.layout import ArrayInfo
+
 # Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
 # waiting for write-backs it started; cannot get room yet.
 _DONE, _PENDING, _WAITING, _BLOCKED = "done", "pending", "waiting", "blocked"
 # Read-ahead looks at most this many scheduled items (or a tier's worth of bytes) per access.
 _MAX_AHEAD = 256
+
+
+class CacheStore(Protocol):
+    """What a tier cache needs from the store under it (a :class:`~tierswap.SwapStore`)."""
+
+    def info(self, key: str) -> ArrayInfo: ...
+
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]: ...
+
+    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]: ...
+
+    def put(self, key: str, tensor: torch.Tensor) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def __contains__(self, key: object) -> bool: ...
 
 
 class CacheCore:
@@ -49,7 +70,7 @@ class CacheCore:
 
     def __init__(
         self,
-        store: Any,
+        store: CacheStore,
         policy: EvictionPolicy,
         device: torch.device,
         tiers: dict[TierName, Tier],
@@ -206,6 +227,15 @@ class CacheCore:
         self._relocate(entry, "host")
         return True
 
+    def _move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
+        raise NotImplementedError  # the cache class above moves entries between tiers
+
+    def _relocate(self, entry: Entry, target: TierName) -> None:
+        raise NotImplementedError
+
+    def _new_loading(self, key: str, meta: Meta, tier: TierName) -> Entry:
+        raise NotImplementedError
+
     # --------------------------------------------------------------- prefetch
     def _queue_lookahead(self, tier: TierName) -> None:
         upcoming = self.policy.upcoming()
@@ -313,7 +343,7 @@ class CacheCore:
                 if entry.dirty and entry.state == READY:
                     entry.dirty, entry.state = False, FLUSHING
                     flushing.append(entry)
-                    self._launches.append(lambda e=entry: self._launch_flush(e))
+                    self._launches.append(functools.partial(self._launch_flush, entry))
         return flushing
 
     # ------------------------------------------------- I/O launch and completion
@@ -479,7 +509,7 @@ class CacheCore:
                 f"{key or 'the item'!r} ({format_size(size)}) is larger than the {tier} budget "
                 f"({format_size(self._tiers[tier].budget)}); raise {tier}_budget or use tier=None"
             )
-        return tier  # type: ignore[return-value]
+        return tier
 
     def _count_lookup(self, key: str, target: TierName) -> None:
         entry = self._find(key)

@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from tierswap._lifetime import close_at_exit
-from tierswap.cache._core import CacheCore
+from tierswap.cache._core import CacheCore, CacheStore
 from tierswap.cache._tiers import (
     FAILED,
     FLUSHING,
@@ -76,7 +76,7 @@ class TierCache(CacheCore):
 
     def __init__(
         self,
-        store: Any,
+        store: CacheStore,
         *,
         device_budget: int | str,
         host_budget: int | str,
@@ -84,7 +84,7 @@ class TierCache(CacheCore):
         policy: str | EvictionPolicy = "lru",
     ) -> None:
         default = "cuda" if torch.cuda.is_available() else "cpu"
-        tiers = {
+        tiers: dict[TierName, Tier] = {
             "device": Tier("device", parse_size(device_budget, name="device_budget")),
             "host": Tier("host", parse_size(host_budget, name="host_budget")),
         }

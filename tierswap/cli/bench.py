@@ -218,7 +218,8 @@ def _measure(args: argparse.Namespace, report: BenchReport, fio: FioEngine | Non
         result.note = _store_note(result.setting, engine)
     report.cache_drop = " + ".join(sorted(methods - {""})) or "-"
     if report.fio is not None and report.fio.skipped:
-        report.fio, report.fio_note = None, f"failed: {report.fio.skipped}"
+        report.fio_note = f"failed: {report.fio.skipped}"
+        report.fio = None
 
 
 def _fio(args: argparse.Namespace) -> tuple[FioEngine | None, Result | None, str]:

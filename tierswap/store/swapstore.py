@@ -426,7 +426,7 @@ class SwapStore:
         self,
         meta: ArrayMeta,
         paths: list[Path],
-        source: torch.Tensor,
+        source: torch.Tensor | None,
         done: Future[list[int]],
         result: Future[Any],
         *,

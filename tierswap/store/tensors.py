@@ -25,7 +25,7 @@ def spare_bytes(tensor: torch.Tensor) -> int:
     """Writable bytes after the tensor's data within its storage (page padding)."""
     storage = tensor.untyped_storage()
     used = tensor.storage_offset() * tensor.element_size() + tensor.numel() * tensor.element_size()
-    return storage.nbytes() - used
+    return int(storage.nbytes() - used)
 
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
