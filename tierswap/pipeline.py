@@ -34,11 +34,11 @@ import torch
 
 from tierswap.config import ALIGN, Size, parse_size, round_up
 from tierswap.errors import BudgetError
-from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import gather
+from tierswap.io._buffers import aligned_empty
+from tierswap.io._engine import gather
 
 if TYPE_CHECKING:
-    from tierswap.store.layout import ArrayInfo
+    from tierswap.store._layout import ArrayInfo
 
 __all__ = ["Job", "Pipeline", "Region", "Work"]
 

@@ -39,7 +39,7 @@ from tierswap.config import format_size
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 
 if TYPE_CHECKING:
-    from tierswap.store.layout import ArrayInfo
+    from tierswap.store._layout import ArrayInfo
 
 # Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
 # waiting for write-backs it started; cannot get room yet.

@@ -14,7 +14,7 @@ import torch
 
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import ALIGN, round_up
-from tierswap.io.buffers import aligned_empty
+from tierswap.io._buffers import aligned_empty
 
 TierName = Literal["device", "host"]
 TIERS: tuple[TierName, ...] = ("device", "host")

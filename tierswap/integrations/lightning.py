@@ -37,7 +37,7 @@ except ImportError:  # the unified ``lightning`` package
 
 from tierswap.integrations.hf import find_swap_optimizer
 from tierswap.optim import SwapOptimizer, _snapshot
-from tierswap.store.snapshot import take_snapshot
+from tierswap.store._snapshot import take_snapshot
 
 __all__ = ["SnapshotCheckpointIO", "TierswapCheckpoints", "snapshot_path"]
 

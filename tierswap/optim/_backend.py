@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierswap._lifetime import close_at_exit
-from tierswap.io.engine import gather
+from tierswap.io._engine import gather
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region
 

@@ -41,7 +41,7 @@ from tierswap.optim._partition import (
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
-from tierswap.store.snapshot import Progress, SnapshotResult
+from tierswap.store._snapshot import Progress, SnapshotResult
 
 __all__ = ["SwapOptimizer"]
 

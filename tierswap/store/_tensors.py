@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from tierswap.errors import InvalidTensorError
-from tierswap.io.buffers import aligned_empty
-from tierswap.store.dtypes import dtype_name
-from tierswap.store.layout import ArrayMeta
+from tierswap.io._buffers import aligned_empty
+from tierswap.store._dtypes import dtype_name
+from tierswap.store._layout import ArrayMeta
 
 __all__ = ["as_cpu_contiguous", "flat_bytes", "prepare_out", "spare_bytes"]
 

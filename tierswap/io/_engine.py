@@ -183,7 +183,7 @@ class IOEngine:
         """Fill ``dst`` (uint8) from the start of ``path``; return the CRC of what was read.
 
         ``spare`` is how many writable bytes follow ``dst`` in memory (e.g. the page padding of
-        an :func:`~tierswap.io.buffers.aligned_empty` tensor): with enough of them an unaligned
+        an :func:`~tierswap.io._buffers.aligned_empty` tensor): with enough of them an unaligned
         tail is read in place instead of through the bounce buffer.
         """
         fd = self._open(path, os.O_RDONLY | os.O_CLOEXEC)
