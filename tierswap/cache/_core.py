@@ -31,12 +31,12 @@ from tierswap.cache._tiers import (
     Entry,
     Meta,
     Tier,
-    TierName,
     WriteBack,
 )
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import format_size
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
+from tierswap.tiers import DEVICE, HOST, TierName
 
 if TYPE_CHECKING:
     from tierswap.store._layout import ArrayInfo
@@ -198,7 +198,7 @@ class CacheCore:
 
         The bytes of a written-back victim are earmarked for ``for_key`` once written.
         """
-        if demote and entry.tier == "device" and self._demote(entry):
+        if demote and entry.tier == DEVICE and self._demote(entry):
             return
         t = self._tiers[entry.tier]
         del t.entries[entry.key]
@@ -215,7 +215,7 @@ class CacheCore:
 
     def _demote(self, entry: Entry) -> bool:
         """Move a device victim to host if host has room, evicting only clean, later items."""
-        host = self._tiers["host"]
+        host = self._tiers[HOST]
         if entry.size > host.budget:
             return False
         while host.free < entry.size:
@@ -224,7 +224,7 @@ class CacheCore:
                 return False
             self._evict(victim, demote=False)
         host.used += entry.size
-        self._relocate(entry, "host")
+        self._relocate(entry, HOST)
         return True
 
     def _move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
@@ -246,7 +246,7 @@ class CacheCore:
     def _plan_prefetches(self) -> None:
         """Start what the prefetch queues allow now (under the lock; never waits)."""
         self._explicit = self._run_queue(self._explicit, None)
-        budget = self._tiers["host"].budget + self._tiers["device"].budget
+        budget = self._tiers[HOST].budget + self._tiers[DEVICE].budget
         self._auto = self._run_queue(self._auto, self._auto_iter, budget)
         self._release_unwanted()
 
@@ -284,7 +284,7 @@ class CacheCore:
         if meta.footprint > self._tiers[tier].budget:
             return _DONE  # too large for the tier: it skips the tier, so skip it here
         if entry is not None:
-            if entry.tier in (tier, "device"):
+            if entry.tier in (tier, DEVICE):
                 return _DONE
             if entry.state == LOADING:
                 return _PENDING
@@ -296,7 +296,7 @@ class CacheCore:
             return _WAITING if self._coming(tier, entry.size, key) else _BLOCKED
         if key in self._writing:
             return _BLOCKED
-        load_tier: TierName = "host" if meta.footprint <= self._tiers["host"].budget else tier
+        load_tier: TierName = HOST if meta.footprint <= self._tiers[HOST].budget else tier
         self.policy.admit(key)
         if not self._reserve(load_tier, meta.footprint, key, prefetch=True):
             return _WAITING if self._coming(load_tier, meta.footprint, key) else _BLOCKED
@@ -516,9 +516,9 @@ class CacheCore:
         where = entry.tier if entry is not None else None
         self._tiers[target].hits += where == target
         self._tiers[target].misses += where != target
-        if target == "device" and where != "device" and self._tiers["host"].enabled:
-            self._tiers["host"].hits += where == "host"
-            self._tiers["host"].misses += where != "host"
+        if target == DEVICE and where != DEVICE and self._tiers[HOST].enabled:
+            self._tiers[HOST].hits += where == HOST
+            self._tiers[HOST].misses += where != HOST
 
     def _count_io(self, kind: str, nbytes: int) -> None:
         if kind == "read":

@@ -22,6 +22,7 @@ from tierswap._lifetime import close_at_exit
 from tierswap.io._engine import gather
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region
+from tierswap.tiers import DEVICE, HOST, NVME
 
 if TYPE_CHECKING:
     from tierswap.store import SwapStore
@@ -151,14 +152,14 @@ class StateBackend:
         """Statistics in the cache's shape: hits and misses of slices, disk bytes, stalls."""
         pipeline = self.pipeline
         return {
-            "device": {"hits": 0, "misses": 0, "used": 0, "budget": device_budget},
-            "host": {
+            DEVICE: {"hits": 0, "misses": 0, "used": 0, "budget": device_budget},
+            HOST: {
                 "hits": pipeline.hits,
                 "misses": pipeline.misses,
                 "used": pipeline.held,
                 "budget": host_budget,
             },
-            "nvme": self.store.stats(),
+            NVME: self.store.stats(),
             "stall_seconds": pipeline.stall_seconds,
         }
 

@@ -42,6 +42,7 @@ from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
 from tierswap.store._snapshot import Progress, SnapshotResult
+from tierswap.tiers import DEVICE, HOST
 
 __all__ = ["SwapOptimizer"]
 
@@ -150,7 +151,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # slices stepped in backward hooks this step
         self._params_written: set[int] = set()  # params the last step wrote to the store
         self._plan_of_step: StepPlan | None = None
-        self.tier = "device" if config.device_bytes > 0 else "host"
+        self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         for group in self.param_groups:
             self._add_slots(group)
@@ -230,7 +231,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
             self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
-        if self.tier == "device":
+        if self.tier == DEVICE:
             check_budget(self._slices, self._config.device_bytes, "device_budget")
         self._resident = _resident_prefix(self._slices, budget, fits, self._lookahead())
         self._slices_of: dict[int, list[Slice]] = defaultdict(list)
@@ -414,7 +415,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         return writes
 
     def _tier_budget(self) -> int:
-        if self.tier == "device":
+        if self.tier == DEVICE:
             return min(self.host_budget, self._config.device_bytes)
         return self.host_budget
 
@@ -563,6 +564,6 @@ def _probe(
 
 
 def _compute_device(tier: str) -> torch.device:
-    if tier == "device" and torch.cuda.is_available():
+    if tier == DEVICE and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -782,11 +782,6 @@ class SwapStore:
         """True when the data path uses O_DIRECT."""
         return self._engine.direct
 
-    @property
-    def executor(self) -> Any:
-        """The store's bounded I/O thread pool."""
-        return self._engine.executor
-
     def stats(self) -> dict[str, int]:
         """Bytes and chunk files read and written through this store object."""
         return self._chunks.stats()
