@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy tierswap
 	$(BIN)/python -m pytest -m "not slow" -q
 
 demo: $(STAMP)

@@ -28,14 +28,17 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tierswap.config import ALIGN, Size, parse_size, round_up
 from tierswap.errors import BudgetError
-from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import gather
+from tierswap.io._buffers import aligned_empty
+from tierswap.io._engine import gather
+
+if TYPE_CHECKING:
+    from tierswap.store._layout import ArrayInfo
 
 __all__ = ["Job", "Pipeline", "Region", "Work"]
 
@@ -82,21 +85,33 @@ class _Reading:
     done: Future[Any]
 
 
+class RegionStore(Protocol):
+    """What :class:`Pipeline` needs from a store: region reads and writes and array info."""
+
+    def info(self, key: str) -> ArrayInfo: ...
+
+    def get_region_async(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> Future[torch.Tensor]: ...
+
+    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]: ...
+
+
 class Pipeline:
     """Read-ahead / work / write-behind over a :class:`~tierswap.SwapStore` within ``budget``.
 
     Parameters
     ----------
     store:
-        The store holding the regions (any object with ``info``, ``get_region_async`` and
-        ``put_region_async``).
+        The store holding the regions: a :class:`~tierswap.SwapStore` or any other
+        :class:`RegionStore`.
     budget:
         Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: resident
         jobs, jobs read ahead, the job at work and jobs being written back. A job larger than
         the budget raises ``BudgetError``.
     """
 
-    def __init__(self, store: Any, budget: Size) -> None:
+    def __init__(self, store: RegionStore, budget: Size) -> None:
         self._store = store
         self.budget = parse_size(budget, name="budget")
         self._cv = threading.Condition()
@@ -354,4 +369,4 @@ def _base_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
     storage = tensor.untyped_storage()
     if tensor.storage_offset() != 0 or storage.nbytes() % ALIGN:
         return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))

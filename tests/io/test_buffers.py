@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierswap.io.buffers import aligned_empty, is_aligned
+from tierswap.io._buffers import aligned_empty, is_aligned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.complex128])

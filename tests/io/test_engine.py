@@ -10,7 +10,7 @@ import pytest
 
 from tierswap.config import IOConfig
 from tierswap.errors import ConfigError, CorruptionError
-from tierswap.io.engine import IOEngine, gather
+from tierswap.io._engine import IOEngine, gather
 
 
 @pytest.fixture(params=["auto", "off"])
@@ -56,7 +56,7 @@ def test_short_file_is_corruption(engine: IOEngine, tmp_path: Path) -> None:
 
 
 def test_direct_on_is_refused_where_unsupported(tmp_path: Path, monkeypatch) -> None:
-    from tierswap.io import engine as engine_module
+    from tierswap.io import _engine as engine_module
 
     monkeypatch.setattr(engine_module, "_probe_write", lambda _dir: False)
     with pytest.raises(ConfigError, match="O_DIRECT"):

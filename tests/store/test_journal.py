@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tierswap as ts
-from tierswap.store import journal
-from tierswap.store.layout import ArrayMeta
-from tierswap.store.plan import plan_changes
+from tierswap.store import _journal as journal
+from tierswap.store._layout import ArrayMeta
+from tierswap.store._plan import plan_changes
 
 
 def _meta(key: str, nbytes: int) -> ArrayMeta:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import tierswap as ts
-from tierswap.store.recycle import SparePool
+from tierswap.store._recycle import SparePool
 
 CHUNK = 64 * 1024
 

@@ -14,9 +14,9 @@ import zarr
 
 import tierswap as ts
 from tierswap.cli import main as cli_main
-from tierswap.store import journal
-from tierswap.store import snapshot as snapshot_module
-from tierswap.store.snapshot import is_shared
+from tierswap.store import _journal as journal
+from tierswap.store import _snapshot as snapshot_module
+from tierswap.store._snapshot import is_shared
 
 OLD = {
     "a/x": torch.arange(3000.0),

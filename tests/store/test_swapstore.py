@@ -22,7 +22,7 @@ from tierswap.errors import (
     StoreClosedError,
     StoreLockedError,
 )
-from tierswap.io.buffers import aligned_empty
+from tierswap.io._buffers import aligned_empty
 
 DTYPES = [
     torch.float32,
@@ -321,7 +321,7 @@ def test_disk_full_during_put_keeps_last_commit(store_path: Path, monkeypatch) -
 
 
 def test_disk_full_during_commit_keeps_last_commit(store_path: Path, monkeypatch) -> None:
-    from tierswap.store import journal
+    from tierswap.store import _journal as journal
 
     with ts.SwapStore(store_path) as store:
         store.put("x", torch.ones(10))

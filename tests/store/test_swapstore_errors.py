@@ -16,7 +16,7 @@ import tierswap as ts
 from tests.store.faults import finishes, inject
 from tierswap.cli import main
 from tierswap.errors import CorruptionError, StoreClosedError
-from tierswap.store import journal
+from tierswap.store import _journal as journal
 
 
 def _failing_second_rename(real_roll_forward):

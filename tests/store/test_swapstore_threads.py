@@ -12,7 +12,8 @@ import torch
 import tierswap as ts
 from tests.store.faults import finishes, inject
 from tierswap.errors import StoreClosedError
-from tierswap.store import journal, swapstore
+from tierswap.store import _journal as journal
+from tierswap.store import swapstore
 
 
 class _Overlap:

@@ -11,12 +11,14 @@ prefetches that the freed bytes allow.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,12 +31,15 @@ from tierswap.cache._tiers import (
     Entry,
     Meta,
     Tier,
-    TierName,
     WriteBack,
 )
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import format_size
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
+from tierswap.tiers import DEVICE, HOST, TierName
+
+if TYPE_CHECKING:
+    from tierswap.store._layout import ArrayInfo
 
 # Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
 # waiting for write-backs it started; cannot get room yet.
@@ -43,13 +48,29 @@ _DONE, _PENDING, _WAITING, _BLOCKED = "done", "pending", "waiting", "blocked"
 _MAX_AHEAD = 256
 
 
+class CacheStore(Protocol):
+    """What a tier cache needs from the store under it (a :class:`~tierswap.SwapStore`)."""
+
+    def info(self, key: str) -> ArrayInfo: ...
+
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]: ...
+
+    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]: ...
+
+    def put(self, key: str, tensor: torch.Tensor) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
 class CacheCore:
     """State and internal operations of a tier cache; every method expects the lock held
     unless it says otherwise."""
 
     def __init__(
         self,
-        store: Any,
+        store: CacheStore,
         policy: EvictionPolicy,
         device: torch.device,
         tiers: dict[TierName, Tier],
@@ -177,7 +198,7 @@ class CacheCore:
 
         The bytes of a written-back victim are earmarked for ``for_key`` once written.
         """
-        if demote and entry.tier == "device" and self._demote(entry):
+        if demote and entry.tier == DEVICE and self._demote(entry):
             return
         t = self._tiers[entry.tier]
         del t.entries[entry.key]
@@ -194,7 +215,7 @@ class CacheCore:
 
     def _demote(self, entry: Entry) -> bool:
         """Move a device victim to host if host has room, evicting only clean, later items."""
-        host = self._tiers["host"]
+        host = self._tiers[HOST]
         if entry.size > host.budget:
             return False
         while host.free < entry.size:
@@ -203,8 +224,17 @@ class CacheCore:
                 return False
             self._evict(victim, demote=False)
         host.used += entry.size
-        self._relocate(entry, "host")
+        self._relocate(entry, HOST)
         return True
+
+    def _move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
+        raise NotImplementedError  # the cache class above moves entries between tiers
+
+    def _relocate(self, entry: Entry, target: TierName) -> None:
+        raise NotImplementedError
+
+    def _new_loading(self, key: str, meta: Meta, tier: TierName) -> Entry:
+        raise NotImplementedError
 
     # --------------------------------------------------------------- prefetch
     def _queue_lookahead(self, tier: TierName) -> None:
@@ -216,7 +246,7 @@ class CacheCore:
     def _plan_prefetches(self) -> None:
         """Start what the prefetch queues allow now (under the lock; never waits)."""
         self._explicit = self._run_queue(self._explicit, None)
-        budget = self._tiers["host"].budget + self._tiers["device"].budget
+        budget = self._tiers[HOST].budget + self._tiers[DEVICE].budget
         self._auto = self._run_queue(self._auto, self._auto_iter, budget)
         self._release_unwanted()
 
@@ -254,7 +284,7 @@ class CacheCore:
         if meta.footprint > self._tiers[tier].budget:
             return _DONE  # too large for the tier: it skips the tier, so skip it here
         if entry is not None:
-            if entry.tier in (tier, "device"):
+            if entry.tier in (tier, DEVICE):
                 return _DONE
             if entry.state == LOADING:
                 return _PENDING
@@ -266,7 +296,7 @@ class CacheCore:
             return _WAITING if self._coming(tier, entry.size, key) else _BLOCKED
         if key in self._writing:
             return _BLOCKED
-        load_tier: TierName = "host" if meta.footprint <= self._tiers["host"].budget else tier
+        load_tier: TierName = HOST if meta.footprint <= self._tiers[HOST].budget else tier
         self.policy.admit(key)
         if not self._reserve(load_tier, meta.footprint, key, prefetch=True):
             return _WAITING if self._coming(load_tier, meta.footprint, key) else _BLOCKED
@@ -313,7 +343,7 @@ class CacheCore:
                 if entry.dirty and entry.state == READY:
                     entry.dirty, entry.state = False, FLUSHING
                     flushing.append(entry)
-                    self._launches.append(lambda e=entry: self._launch_flush(e))
+                    self._launches.append(functools.partial(self._launch_flush, entry))
         return flushing
 
     # ------------------------------------------------- I/O launch and completion
@@ -479,16 +509,16 @@ class CacheCore:
                 f"{key or 'the item'!r} ({format_size(size)}) is larger than the {tier} budget "
                 f"({format_size(self._tiers[tier].budget)}); raise {tier}_budget or use tier=None"
             )
-        return tier  # type: ignore[return-value]
+        return tier
 
     def _count_lookup(self, key: str, target: TierName) -> None:
         entry = self._find(key)
         where = entry.tier if entry is not None else None
         self._tiers[target].hits += where == target
         self._tiers[target].misses += where != target
-        if target == "device" and where != "device" and self._tiers["host"].enabled:
-            self._tiers["host"].hits += where == "host"
-            self._tiers["host"].misses += where != "host"
+        if target == DEVICE and where != DEVICE and self._tiers[HOST].enabled:
+            self._tiers[HOST].hits += where == HOST
+            self._tiers[HOST].misses += where != HOST
 
     def _count_io(self, kind: str, nbytes: int) -> None:
         if kind == "read":

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Literal
 
 import torch
 
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import ALIGN, round_up
-from tierswap.io.buffers import aligned_empty
+from tierswap.io._buffers import aligned_empty
+from tierswap.tiers import HOST, MEMORY_TIERS, TierName
 
-TierName = Literal["device", "host"]
-TIERS: tuple[TierName, ...] = ("device", "host")
+TIERS = MEMORY_TIERS
 
 LOADING = "loading"  # bytes reserved, a read from the store is filling the tensor
 READY = "ready"  # the tensor holds the item's value
@@ -149,6 +148,6 @@ class Tier:
 
     def allocate(self, meta: Meta, device: torch.device) -> torch.Tensor:
         """A buffer for ``meta`` in this tier (the caller has reserved the bytes)."""
-        if self.name == "host" or device.type == "cpu":
-            return aligned_empty(meta.shape, meta.dtype, pin=None if self.name == "host" else False)
+        if self.name == HOST or device.type == "cpu":
+            return aligned_empty(meta.shape, meta.dtype, pin=None if self.name == HOST else False)
         return torch.empty(meta.shape, dtype=meta.dtype, device=device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from tierswap.errors import ConfigError
@@ -248,7 +248,10 @@ class LookaheadPolicy:
 def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     """A policy instance from a name (``"lru"``, ``"lookahead"``) or an instance."""
     if isinstance(policy, str):
-        factories = {"lru": LRUPolicy, "lookahead": LookaheadPolicy}
+        factories: dict[str, Callable[[], EvictionPolicy]] = {
+            "lru": LRUPolicy,
+            "lookahead": LookaheadPolicy,
+        }
         if policy not in factories:
             raise ConfigError(
                 f"policy={policy!r} is unknown; use 'lru', 'lookahead' or an instance"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tierswap.tiers import DEVICE, HOST, NVME
+
 __all__ = ["CacheStats", "TierStats"]
 
 
@@ -54,9 +56,9 @@ class CacheStats:
     def as_dict(self) -> dict[str, Any]:
         """``{"device": {...}, "host": {...}, "nvme": {...}, "stall_seconds": s}``."""
         return {
-            "device": self.device.as_dict(),
-            "host": self.host.as_dict(),
-            "nvme": {
+            DEVICE: self.device.as_dict(),
+            HOST: self.host.as_dict(),
+            NVME: {
                 "bytes_read": self.nvme_bytes_read,
                 "bytes_written": self.nvme_bytes_written,
                 "reads": self.nvme_reads,

@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from tierswap._lifetime import close_at_exit
-from tierswap.cache._core import CacheCore
+from tierswap.cache._core import CacheCore, CacheStore
 from tierswap.cache._tiers import (
     FAILED,
     FLUSHING,
@@ -29,7 +29,6 @@ from tierswap.cache._tiers import (
     Entry,
     Meta,
     Tier,
-    TierName,
     WriteBack,
 )
 from tierswap.cache.policies import EvictionPolicy, make_policy
@@ -41,6 +40,7 @@ from tierswap.errors import (
     PinnedError,
 )
 from tierswap.keys import validate_key
+from tierswap.tiers import DEVICE, HOST, NVME, TierName
 
 __all__ = ["TierCache"]
 
@@ -76,7 +76,7 @@ class TierCache(CacheCore):
 
     def __init__(
         self,
-        store: Any,
+        store: CacheStore,
         *,
         device_budget: int | str,
         host_budget: int | str,
@@ -84,9 +84,9 @@ class TierCache(CacheCore):
         policy: str | EvictionPolicy = "lru",
     ) -> None:
         default = "cuda" if torch.cuda.is_available() else "cpu"
-        tiers = {
-            "device": Tier("device", parse_size(device_budget, name="device_budget")),
-            "host": Tier("host", parse_size(host_budget, name="host_budget")),
+        tiers: dict[TierName, Tier] = {
+            DEVICE: Tier(DEVICE, parse_size(device_budget, name="device_budget")),
+            HOST: Tier(HOST, parse_size(host_budget, name="host_budget")),
         }
         chosen = torch.device(device if device is not None else default)
         super().__init__(store, make_policy(policy), chosen, tiers)
@@ -141,16 +141,16 @@ class TierCache(CacheCore):
         target = self._put_target(key, meta, tier)
         with self._cv:
             self._check_open()
-            self._settle_key(key, allow_pinned=target != "nvme")
+            self._settle_key(key, allow_pinned=target != NVME)
             self._meta[key] = meta
             self.policy.access(key)
-            if target != "nvme":
+            if target != NVME:
                 self._put_in_tier(key, tensor, meta, target)
                 self._queue_lookahead(target)
             else:  # reads of the key wait (as for a write-back) until the store has it
-                self._writing[key] = WriteBack(Entry(key, meta, "host", tensor))
+                self._writing[key] = WriteBack(Entry(key, meta, HOST, tensor))
         self._drain()
-        if target == "nvme":
+        if target == NVME:
             self._write_through(key, tensor, meta)
 
     def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
@@ -168,7 +168,7 @@ class TierCache(CacheCore):
                     self._meta.pop(key, None)
                 self._wake_pump()
 
-    def prefetch(self, keys: Iterable[str], tier: TierArg = "host") -> None:
+    def prefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.
 
         Items that do not fit without evicting something the policy ranks as needed sooner
@@ -247,8 +247,8 @@ class TierCache(CacheCore):
             }
             c = self._counters
             return CacheStats(
-                tiers["device"],
-                tiers["host"],
+                tiers[DEVICE],
+                tiers[HOST],
                 c["bytes_read"],
                 c["bytes_written"],
                 c["reads"],
@@ -296,7 +296,7 @@ class TierCache(CacheCore):
         return key in self.store
 
     def __repr__(self) -> str:
-        dev, host = self._tiers["device"], self._tiers["host"]
+        dev, host = self._tiers[DEVICE], self._tiers[HOST]
         return (
             f"TierCache(device={self.device}, device_budget={format_size(dev.budget)}, "
             f"host_budget={format_size(host.budget)}, policy={self.policy!r})"
@@ -313,7 +313,7 @@ class TierCache(CacheCore):
         """:meth:`put` for asyncio (the copy and any write run in a worker thread)."""
         await asyncio.to_thread(self.put, key, tensor, tier)
 
-    async def aprefetch(self, keys: Iterable[str], tier: TierArg = "host") -> None:
+    async def aprefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """:meth:`prefetch` for asyncio."""
         await asyncio.to_thread(self.prefetch, list(keys), tier)
 
@@ -396,8 +396,8 @@ class TierCache(CacheCore):
             return None
         self._drop_queued(key)
         meta = self._meta[key]
-        host = self._tiers["host"]
-        tier: TierName = "host" if meta.footprint <= host.budget else target
+        host = self._tiers[HOST]
+        tier: TierName = HOST if meta.footprint <= host.budget else target
         if not self._reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
         entry = self._new_loading(key, meta, tier)
@@ -440,11 +440,11 @@ class TierCache(CacheCore):
 
     # ------------------------------------------------------------- put path
     def _put_target(self, key: str, meta: Meta, tier: str | None) -> TierName | Literal["nvme"]:
-        if tier == "nvme":
-            return "nvme"
+        if tier == NVME:
+            return NVME
         if tier is None:
             fits = [n for n in TIERS if 0 < meta.footprint <= self._tiers[n].budget]
-            return fits[0] if fits else "nvme"
+            return fits[0] if fits else NVME
         return self._tier_for(tier, meta, key)
 
     def _put_in_tier(self, key: str, tensor: torch.Tensor, meta: Meta, target: TierName) -> None:

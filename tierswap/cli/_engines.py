@@ -82,7 +82,12 @@ class StoreEngine:
         except ConfigError as exc:  # direct="on" on a filesystem that refuses O_DIRECT
             raise BenchmarkError(str(exc)) from exc
         try:
-            seconds = elapsed(lambda: (store.put(_KEY, self.src), store.commit()))
+
+            def run() -> None:
+                store.put(_KEY, self.src)
+                store.commit()
+
+            seconds = elapsed(run)
             self.direct_used = store.direct
         finally:
             store.close()
@@ -127,7 +132,7 @@ class AiofilesEngine:
         asyncio.run(with_pool())
 
     async def _write(self, path: Path) -> None:
-        view = memoryview(self.src.numpy())
+        view = self.src.numpy().data
         async with aiofiles.open(path, "wb") as f:
             await f.truncate(len(view))
         parts = _segments(len(view), self.threads, self.block_bytes)
@@ -142,7 +147,7 @@ class AiofilesEngine:
                 await f.write(view[start : min(start + self.block_bytes, hi)])
 
     async def _read(self, path: Path) -> None:
-        view = memoryview(self.dst.numpy())
+        view = self.dst.numpy().data
         parts = _segments(len(view), self.threads, self.block_bytes)
         await asyncio.gather(*(self._read_part(path, view, lo, hi) for lo, hi in parts))
 
@@ -192,7 +197,7 @@ class ZarrEngine:
 
         def run() -> None:
             with self._config():
-                out.append(zarr.open_array(str(folder / "zarr"), mode="r")[:])
+                out.append(np.asarray(zarr.open_array(str(folder / "zarr"), mode="r")[:]))
 
         seconds = elapsed(run)
         return out[0].size / seconds

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierswap.cli._measure import GB, short_size
 from tierswap.cli._report import BenchReport, Result
 from tierswap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["plot_report"]
 
@@ -23,7 +27,7 @@ def _series(results: list[Result]) -> dict[int | None, list[Result]]:
     return dict(sorted(by_threads.items(), key=lambda kv: kv[0] or 0))
 
 
-def _draw(axes: object, report: BenchReport, results: list[Result], direction: str) -> None:
+def _draw(axes: Axes, report: BenchReport, results: list[Result], direction: str) -> None:
     for threads, series in _series(results).items():
         xs = [r.setting.block_bytes / (1 << 20) for r in series]
         stats = [getattr(r, direction) for r in series]

@@ -66,7 +66,8 @@ class BenchReport:
         """``value`` over fio's median in ``direction``; None without a fio figure."""
         if self.fio is None or not self.fio.samples:
             return None
-        return value / getattr(self.fio, direction).median
+        stats: Stats = getattr(self.fio, direction)
+        return value / stats.median
 
     def to_json(self) -> dict[str, Any]:
         return {

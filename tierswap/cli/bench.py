@@ -39,7 +39,7 @@ from tierswap.cli._plot import plot_report
 from tierswap.cli._report import BenchReport, Result, print_table, write_json, write_tune_file
 from tierswap.config import IOConfig
 from tierswap.errors import BenchmarkError, ConfigError
-from tierswap.io.buffers import aligned_empty
+from tierswap.io._buffers import aligned_empty
 
 __all__ = ["ENGINES", "add_parser", "run"]
 
@@ -218,7 +218,8 @@ def _measure(args: argparse.Namespace, report: BenchReport, fio: FioEngine | Non
         result.note = _store_note(result.setting, engine)
     report.cache_drop = " + ".join(sorted(methods - {""})) or "-"
     if report.fio is not None and report.fio.skipped:
-        report.fio, report.fio_note = None, f"failed: {report.fio.skipped}"
+        report.fio_note = f"failed: {report.fio.skipped}"
+        report.fio = None
 
 
 def _fio(args: argparse.Namespace) -> tuple[FioEngine | None, Result | None, str]:

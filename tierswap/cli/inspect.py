@@ -70,7 +70,7 @@ def collect(folder: Path) -> dict[str, Any]:
         }
         disk_bytes = store.disk_usage()
     meta = described["meta"] if isinstance(described["meta"], dict) else {}
-    arrays = [
+    arrays: list[dict[str, Any]] = [
         {"key": a.key, "dtype": _dtype_name(a.dtype), "shape": list(a.shape), "nbytes": a.nbytes}
         for a in infos
     ]

@@ -37,7 +37,7 @@ except ImportError:  # the unified ``lightning`` package
 
 from tierswap.integrations.hf import find_swap_optimizer
 from tierswap.optim import SwapOptimizer, _snapshot
-from tierswap.store.snapshot import take_snapshot
+from tierswap.store._snapshot import take_snapshot
 
 __all__ = ["SnapshotCheckpointIO", "TierswapCheckpoints", "snapshot_path"]
 
@@ -65,7 +65,10 @@ class SnapshotCheckpointIO(CheckpointIO):
                 _place(state[_snapshot.REFERENCE_KEY], snapshot_path(path, index))
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, **kwargs: Any) -> dict:
+    # **kwargs passes on what each Lightning version adds (weights_only, ...).
+    def load_checkpoint(  # type: ignore[override]
+        self, path: Any, map_location: Any = None, **kwargs: Any
+    ) -> dict[str, Any]:
         checkpoint = self.inner.load_checkpoint(path, map_location=map_location, **kwargs)
         for index, state in enumerate(checkpoint.get("optimizer_states", [])):
             if _snapshot.is_reference(state):  # the snapshot beside the file wins

@@ -9,18 +9,23 @@ counters, scalars, hyper-parameters) travel as one pickled blob under :data:`SMA
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierswap._lifetime import close_at_exit
-from tierswap.io.engine import gather
+from tierswap.io._engine import gather
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region
+from tierswap.tiers import DEVICE, HOST, NVME
+
+if TYPE_CHECKING:
+    from tierswap.store import SwapStore
 
 __all__ = ["SMALL_KEY", "StateBackend", "resolve_swap_dir"]
 
@@ -28,7 +33,7 @@ SMALL_KEY = "optim/small"
 META_KEY = "tierswap.optim"
 
 
-def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
+def resolve_swap_dir(swap_dir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
     """The folder to use and whether it is a temporary one to remove at close.
 
     Under an initialised ``torch.distributed`` process group each rank gets ``rank-<r>``.
@@ -38,7 +43,7 @@ def resolve_swap_dir(swap_dir: str | Path | None) -> tuple[Path, bool]:
     return rank_swap_dir(swap_dir), False
 
 
-def _open_store(path: Path, *, durable: bool, resume: bool, chunk_bytes: int) -> Any:
+def _open_store(path: Path, *, durable: bool, resume: bool, chunk_bytes: int) -> SwapStore:
     """Open the swap folder's store."""
     from tierswap.store import SwapStore
 
@@ -60,7 +65,7 @@ class StateBackend:
 
     def __init__(
         self,
-        swap_dir: str | Path | None,
+        swap_dir: str | os.PathLike[str] | None,
         *,
         budget: int,
         durable: bool,
@@ -135,24 +140,26 @@ class StateBackend:
     def committed_meta(self) -> dict[str, Any] | None:
         """The optimizer's metadata of the last commit, or ``None`` for a fresh folder."""
         meta = self.store.meta or {}
-        return meta.get(META_KEY)
+        committed: dict[str, Any] | None = meta.get(META_KEY)
+        return committed
 
     def load_small(self) -> dict[str, Any]:
         blob = self.store.get(SMALL_KEY)
-        return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        small: dict[str, Any] = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        return small
 
     def stats(self, host_budget: int, device_budget: int) -> dict[str, Any]:
         """Statistics in the cache's shape: hits and misses of slices, disk bytes, stalls."""
         pipeline = self.pipeline
         return {
-            "device": {"hits": 0, "misses": 0, "used": 0, "budget": device_budget},
-            "host": {
+            DEVICE: {"hits": 0, "misses": 0, "used": 0, "budget": device_budget},
+            HOST: {
                 "hits": pipeline.hits,
                 "misses": pipeline.misses,
                 "used": pipeline.held,
                 "budget": host_budget,
             },
-            "nvme": self.store.stats(),
+            NVME: self.store.stats(),
             "stall_seconds": pipeline.stall_seconds,
         }
 

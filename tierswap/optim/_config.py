@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Any
+import os
 
+from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import Size, parse_size
 from tierswap.errors import ConfigError
 
@@ -22,16 +22,16 @@ class SwapConfig:
     ``device_budget=0`` turns the device tier off. ``commit_every=0`` never commits on its own.
     """
 
-    swap_dir: str | Path | None = None
+    swap_dir: str | os.PathLike[str] | None = None
     host_budget: Size | None = None
     device_budget: Size = 0
-    policy: Any = "lookahead"
+    policy: str | EvictionPolicy = "lookahead"
     durable: bool = True
     commit_every: int = 1
     resume: bool = False
     overlap: str | None = None
     accumulation_steps: int = 1
-    resume_from: str | Path | None = None
+    resume_from: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -58,3 +58,15 @@ class SwapConfig:
             object.__setattr__(self, "resume", True)
         if self.resume and self.swap_dir is None:
             raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")
+
+    @property
+    def host_bytes(self) -> int | None:
+        """``host_budget`` in bytes (``None``: the whole state)."""
+        if self.host_budget is None:
+            return None
+        return parse_size(self.host_budget, name="host_budget")
+
+    @property
+    def device_bytes(self) -> int:
+        """``device_budget`` in bytes."""
+        return parse_size(self.device_budget, name="device_budget")

@@ -10,7 +10,7 @@ backward), so the state read first in ``step()`` is the state whose gradients ar
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -129,7 +129,7 @@ def probe_state_itemsizes(
     hyper = _probe_hyper(group)
     probe = torch.zeros(2, dtype=dtype, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
-    inner = optimizer_class([{"params": [probe], **hyper}])
+    inner = _make(optimizer_class, [{"params": [probe], **hyper}])
     inner.step()
     state = inner.state.get(probe, {})
     return tuple(
@@ -232,8 +232,8 @@ def check_elementwise(
     pieces = whole.clone()
     flat = pieces.view(-1)
     try:
-        ref = optimizer_class([{"params": [whole], **hyper}])
-        split = optimizer_class([{"params": [flat[:64], flat[64:]], **hyper}])
+        ref = _make(optimizer_class, [{"params": [whole], **hyper}])
+        split = _make(optimizer_class, [{"params": [flat[:64], flat[64:]], **hyper}])
         for grad in grads:
             whole.grad = grad.clone()
             flat_grad = grad.reshape(-1)
@@ -273,3 +273,12 @@ def check_budget(slices: Sequence[Slice], budget: int, name: str) -> None:
             f"largest slice; the minimum is {format_size(largest)} ({largest} bytes): "
             f"raise {name} to at least {largest}"
         )
+
+
+def _make(
+    optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """``optimizer_class(groups)``: subclasses give every hyper-parameter a default, which the
+    base class's ``(params, defaults)`` signature does not say."""
+    factory: Callable[..., torch.optim.Optimizer] = optimizer_class
+    return factory(groups)

@@ -96,6 +96,7 @@ def _region(key: str, seg: Segment) -> Region:
 def _target(seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
+    assert slot.param.grad is not None  # plan.live holds only slots whose gradient is final
     grad = local_tensor(slot.param.grad).reshape(-1)[seg.start : seg.stop]
     if slot.has_master:
         target = on_device.take(tensors[_region(slot.master_key, seg)])

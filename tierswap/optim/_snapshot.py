@@ -7,7 +7,7 @@ tensor into RAM. With a snapshot it holds instead a small *reference* dict::
                            "generation": 7, "steps": 100, "format": 1}}
 
 and the folder it names: a standalone swap store of the optimizer's commit at that step
-(:func:`tierswap.store.snapshot.take_snapshot`). Loading the reference replaces the live swap
+(:func:`tierswap.store._snapshot.take_snapshot`). Loading the reference replaces the live swap
 folder with (hard links to) the snapshot and resumes from it, like ``resume=True``.
 """
 
@@ -25,7 +25,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim import _state_dict
 from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
-from tierswap.store.snapshot import (
+from tierswap.store._snapshot import (
     Progress,
     SnapshotResult,
     check_apart,

@@ -6,7 +6,7 @@ import dataclasses
 import datetime
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -91,8 +91,11 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
         optimizer._chunk_bytes = chunk
         optimizer._plan()
     small = backend.load_small()
-    by_prefix = {s.prefix: s.index for s in optimizer._slots}
-    index_of = {**by_prefix, **{s.index: s.index for s in optimizer._slots}}  # positional blobs
+    by_prefix: dict[str | int, int] = {s.prefix: s.index for s in optimizer._slots}
+    index_of: dict[str | int, int] = {
+        **by_prefix,
+        **{s.index: s.index for s in optimizer._slots},
+    }  # positional blobs
     optimizer._small = defaultdict(dict, {index_of[k]: v for k, v in small["small"].items()})
     optimizer._state_names = defaultdict(list, {index_of[k]: v for k, v in small["names"].items()})
     for group, saved in zip(optimizer.param_groups, small["groups"], strict=True):
@@ -134,7 +137,7 @@ def _match_by_name(
     slots: list[Slot], layout: list[Any], names: list[str], keys: list[str], path: Any
 ) -> None:
     saved = {name: (entry, key) for name, entry, key in zip(names, layout, keys, strict=True)}
-    current = {s.name: s for s in slots}
+    current = {s.name: s for s in slots if s.name is not None}  # the caller checked: all
     missing, unexpected = sorted(saved.keys() - current.keys()), sorted(current.keys() - saved)
     if missing or unexpected:
         raise ConfigError(
@@ -180,8 +183,9 @@ def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
+    dtensor = cast(DTensor, param)  # local_tensor() unwrapped it: a DTensor
     return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False,
+        local, dtensor.device_mesh, dtensor.placements, run_check=False,
         shape=param.shape, stride=param.stride(),
     )  # fmt: skip
 
@@ -251,7 +255,7 @@ def _replace_states(optimizer: SwapOptimizer, states: list[tuple[Slot, dict[str,
         optimizer._small[slot.index] = smalls[slot.index]
 
 
-class SwappedState(defaultdict):
+class SwappedState(defaultdict[torch.Tensor, dict[str, Any]]):
     """``SwapOptimizer.state``: empty between calls, because the state lives in the swap space.
 
     It is true whenever the swap space holds state, so torch's "is the state initialised?"

@@ -13,6 +13,7 @@ that belongs to another partitioning of the model.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def rank_swap_dir(swap_dir: str | Path) -> Path:
+def rank_swap_dir(swap_dir: str | os.PathLike[str]) -> Path:
     """The folder this process swaps to: ``swap_dir/rank-<r>`` inside a process group.
 
     The rank is the global rank of the default process group, so every process on every node

@@ -17,7 +17,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,8 @@ from tierswap.optim._partition import (
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
-from tierswap.store.snapshot import Progress, SnapshotResult
+from tierswap.store._snapshot import Progress, SnapshotResult
+from tierswap.tiers import DEVICE, HOST
 
 __all__ = ["SwapOptimizer"]
 
@@ -129,6 +130,11 @@ class SwapOptimizer(torch.optim.Optimizer):
     # -- construction ---------------------------------------------------------------------
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
         self._ready = False
+        # Snapshot bookkeeping (tierswap.optim._snapshot): state changed outside step(), the
+        # folder the next state_dict() snapshots into, where the next reference may have moved.
+        self._snapshot_changed = False
+        self._state_dict_dest: Path | None = None
+        self._snapshot_hint: Path | None = None
         fix_mmap_threshold()  # slice-sized transients go back to the OS when freed
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
@@ -145,7 +151,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._stepped: set[int] = set()  # slices stepped in backward hooks this step
         self._params_written: set[int] = set()  # params the last step wrote to the store
         self._plan_of_step: StepPlan | None = None
-        self.tier = "device" if config.device_budget > 0 else "host"
+        self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         for group in self.param_groups:
             self._add_slots(group)
@@ -162,7 +168,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
         # then; the at-exit closer of the backend handles that.
-        self._finalizer = weakref.finalize(self, self._backend.close)
+        self._finalizer: weakref.finalize[..., SwapOptimizer] = weakref.finalize(
+            self, self._backend.close
+        )
         self._finalizer.atexit = False
         try:
             self._start(config.resume)
@@ -212,7 +220,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         whole = plan_slices(self._slots[::-1], MAX_SLICE_BYTES, chunk)
         total = sum(piece.working_set for piece in whole)
         if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
-            configured = self._config.host_budget
+            configured = self._config.host_bytes
             self.host_budget = configured if configured is not None else max(total, 1)
         budget = self._tier_budget()
         fits = total <= budget
@@ -223,8 +231,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
             self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
-        if self.tier == "device":
-            check_budget(self._slices, self._config.device_budget, "device_budget")
+        if self.tier == DEVICE:
+            check_budget(self._slices, self._config.device_bytes, "device_budget")
         self._resident = _resident_prefix(self._slices, budget, fits, self._lookahead())
         self._slices_of: dict[int, list[Slice]] = defaultdict(list)
         for piece in self._slices:
@@ -401,14 +409,14 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
-        writes = step_slice(plan, self._slices[job.name], tensors)
+        writes = step_slice(plan, self._slices[cast(int, job.name)], tensors)  # jobs: by index
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real
         return writes
 
     def _tier_budget(self) -> int:
-        if self.tier == "device":
-            return min(self.host_budget, self._config.device_budget)
+        if self.tier == DEVICE:
+            return min(self.host_budget, self._config.device_bytes)
         return self.host_budget
 
     # -- persistence and state dicts ------------------------------------------------------
@@ -478,7 +486,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def tier_stats(self) -> dict[str, Any]:
         """Statistics: slice hits (resident) and misses (streamed), disk bytes and operations,
         seconds the step waited for reads."""
-        return self._backend.stats(self.host_budget, self._config.device_budget)
+        return self._backend.stats(self.host_budget, self._config.device_bytes)
 
     def close(self) -> None:
         """Release hooks, pipeline and store; a temporary swap folder is removed."""
@@ -556,6 +564,6 @@ def _probe(
 
 
 def _compute_device(tier: str) -> torch.device:
-    if tier == "device" and torch.cuda.is_available():
+    if tier == DEVICE and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

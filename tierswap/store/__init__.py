@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tierswap.store.layout import ArrayInfo
+from tierswap.store._layout import ArrayInfo
+from tierswap.store._snapshot import SnapshotResult, is_shared
 from tierswap.store.swapstore import SwapStore
 
-__all__ = ["ArrayInfo", "SwapStore"]
+__all__ = ["ArrayInfo", "SnapshotResult", "SwapStore", "is_shared"]

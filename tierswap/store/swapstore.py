@@ -2,7 +2,7 @@
 
 Data path: ``put`` splits a tensor into chunk files written in parallel by the I/O engine;
 ``get`` reads them back in parallel, checking each chunk's CRC32C. Durable stores stage new chunk
-files and make them visible atomically at ``commit()`` (see :mod:`tierswap.store.journal`);
+files and make them visible atomically at ``commit()`` (see :mod:`tierswap.store._journal`);
 scratch stores (``durable=False``) replace chunk files in place and skip every fsync.
 
 Region reads and writes (``get_region`` / ``put_region``) move an element range of a stored
@@ -43,22 +43,22 @@ from tierswap.errors import (
     RegionError,
     StoreClosedError,
 )
-from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import IOEngine, gather, translate_os_error
+from tierswap.io._buffers import aligned_empty
+from tierswap.io._engine import IOEngine, gather, translate_os_error
 from tierswap.keys import KeyHierarchy, validate_key
-from tierswap.store import journal
-from tierswap.store.chunks import ChunkFiles, ChunkRef
-from tierswap.store.folder import StoreFolder
-from tierswap.store.layout import (
+from tierswap.store import _journal as journal
+from tierswap.store._chunks import ChunkFiles, ChunkRef
+from tierswap.store._folder import StoreFolder
+from tierswap.store._layout import (
     ArrayInfo,
     ArrayMeta,
     chunk_bytes_for,
     chunk_relpath,
 )
-from tierswap.store.plan import plan_changes
-from tierswap.store.recycle import SPARE, SparePool
-from tierswap.store.snapshot import Progress, SnapshotResult, take_snapshot
-from tierswap.store.tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
+from tierswap.store._plan import plan_changes
+from tierswap.store._recycle import SPARE, SparePool
+from tierswap.store._snapshot import Progress, SnapshotResult, take_snapshot
+from tierswap.store._tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
 
 __all__ = ["SwapStore"]
 
@@ -426,7 +426,7 @@ class SwapStore:
         self,
         meta: ArrayMeta,
         paths: list[Path],
-        source: torch.Tensor,
+        source: torch.Tensor | None,
         done: Future[list[int]],
         result: Future[Any],
         *,
@@ -782,11 +782,6 @@ class SwapStore:
         """True when the data path uses O_DIRECT."""
         return self._engine.direct
 
-    @property
-    def executor(self) -> Any:
-        """The store's bounded I/O thread pool."""
-        return self._engine.executor
-
     def stats(self) -> dict[str, int]:
         """Bytes and chunk files read and written through this store object."""
         return self._chunks.stats()
@@ -949,7 +944,7 @@ class SwapStore:
         """Keep the last commit as a standalone store in the new or empty folder ``dest``.
 
         Chunk files are hard links on the same filesystem (no data copied) and copies
-        elsewhere (see :mod:`tierswap.store.snapshot`); uncommitted puts are not part of it.
+        elsewhere (see :mod:`tierswap.store._snapshot`); uncommitted puts are not part of it.
         Commits, reads and writes wait while the files are listed and linked (not while they
         are copied). Neither store changes the other afterwards.
         """

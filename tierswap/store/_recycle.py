@@ -9,7 +9,7 @@ The commit protocol is unchanged: the spare holds no data anyone needs (a supers
 and it is written under a staging name, made visible only by a commit.
 
 One rule bounds what may be recycled: a file with another name (a snapshot links it, see
-:func:`tierswap.store.snapshot.is_shared`) is never written in place; it leaves the pool and
+:func:`tierswap.store._snapshot.is_shared`) is never written in place; it leaves the pool and
 keeps its other name. The pool holds at most ``cap`` bytes, so the store's disk use stays
 within twice the state.
 """
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from tierswap.store.snapshot import is_shared
+from tierswap.store._snapshot import is_shared
 
 __all__ = ["SPARE", "SparePool"]
 

@@ -21,7 +21,7 @@ import torch
 
 from tierswap.config import ALIGN, round_up
 from tierswap.errors import CorruptionError, InvalidTensorError
-from tierswap.store.dtypes import dtype_from_name, dtype_name, zarr_data_type, zarr_fill_value
+from tierswap.store._dtypes import dtype_from_name, dtype_name, zarr_data_type, zarr_fill_value
 
 __all__ = [
     "FORMAT_VERSION",

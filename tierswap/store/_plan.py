@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tierswap.store.layout import (
+from tierswap.store._layout import (
     ArrayMeta,
     array_document,
     chunk_relpath,

@@ -18,10 +18,10 @@ import torch
 
 from tierswap.config import round_up
 from tierswap.errors import CorruptionError
-from tierswap.io.buffers import aligned_empty
-from tierswap.io.engine import IOEngine, translate_os_error, zeros_crc
-from tierswap.store.layout import ArrayMeta
-from tierswap.store.tensors import flat_bytes, spare_bytes
+from tierswap.io._buffers import aligned_empty
+from tierswap.io._engine import IOEngine, translate_os_error, zeros_crc
+from tierswap.store._layout import ArrayMeta
+from tierswap.store._tensors import flat_bytes, spare_bytes
 
 __all__ = ["ChunkFiles", "ChunkRef"]
 

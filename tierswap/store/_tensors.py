@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from tierswap.errors import InvalidTensorError
-from tierswap.io.buffers import aligned_empty
-from tierswap.store.dtypes import dtype_name
-from tierswap.store.layout import ArrayMeta
+from tierswap.io._buffers import aligned_empty
+from tierswap.store._dtypes import dtype_name
+from tierswap.store._layout import ArrayMeta
 
 __all__ = ["as_cpu_contiguous", "flat_bytes", "prepare_out", "spare_bytes"]
 
@@ -25,7 +25,7 @@ def spare_bytes(tensor: torch.Tensor) -> int:
     """Writable bytes after the tensor's data within its storage (page padding)."""
     storage = tensor.untyped_storage()
     used = tensor.storage_offset() * tensor.element_size() + tensor.numel() * tensor.element_size()
-    return storage.nbytes() - used
+    return int(storage.nbytes() - used)
 
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tierswap.errors import ConfigError, CorruptionError, StoreLockedError
-from tierswap.store import journal
-from tierswap.store.layout import (
+from tierswap.store import _journal as journal
+from tierswap.store._layout import (
     INTERNAL_DIR,
     ArrayMeta,
     chunk_relpath,

@@ -42,9 +42,9 @@ from tierswap.errors import (
     StoreLockedError,
     TierswapError,
 )
-from tierswap.store import journal
-from tierswap.store.folder import StoreFolder
-from tierswap.store.layout import INTERNAL_DIR
+from tierswap.store import _journal as journal
+from tierswap.store._folder import StoreFolder
+from tierswap.store._layout import INTERNAL_DIR
 
 __all__ = [
     "PROGRESS_MIN_BYTES",

@@ -40,7 +40,7 @@ BOUNCE_BYTES = 1 << 20
 
 def crc_of(data: np.ndarray, value: int = 0) -> int:
     """CRC32C of a uint8 array (continuing from ``value``)."""
-    return crc32c.crc32c(data, value) if data.size else value
+    return crc32c.crc32c(data.data, value) if data.size else value
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,7 +61,7 @@ def translate_os_error(exc: OSError, what: str) -> Exception:
 
 
 def _address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
+    return int(arr.__array_interface__["data"][0])
 
 
 class IOEngine:
@@ -173,7 +173,7 @@ class IOEngine:
 
     @staticmethod
     def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")
         while view:
             written = os.pwritev(fd, [view], offset)
             view, offset = view[written:], offset + written
@@ -183,7 +183,7 @@ class IOEngine:
         """Fill ``dst`` (uint8) from the start of ``path``; return the CRC of what was read.
 
         ``spare`` is how many writable bytes follow ``dst`` in memory (e.g. the page padding of
-        an :func:`~tierswap.io.buffers.aligned_empty` tensor): with enough of them an unaligned
+        an :func:`~tierswap.io._buffers.aligned_empty` tensor): with enough of them an unaligned
         tail is read in place instead of through the bounce buffer.
         """
         fd = self._open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -223,7 +223,7 @@ class IOEngine:
 
     @staticmethod
     def _pread_all(fd: int, data: np.ndarray, offset: int, need: int) -> int:
-        view, done = memoryview(data).cast("B"), 0
+        view, done = data.data.cast("B"), 0
         while done < need:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
@@ -264,7 +264,7 @@ class IOEngine:
 def _widen(piece: np.ndarray, nbytes: int) -> memoryview:
     """A writable view of ``nbytes`` starting at ``piece`` (caller checked the memory exists)."""
     if nbytes == piece.size:
-        return memoryview(piece)
+        return piece.data
     import ctypes
 
     return memoryview((ctypes.c_ubyte * nbytes).from_address(_address(piece))).cast("B")
@@ -276,7 +276,7 @@ def _probe_write(directory: Path) -> bool:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
         try:
-            os.pwritev(fd, [memoryview(buf)], 0)
+            os.pwritev(fd, [buf.data], 0)
         finally:
             os.close(fd)
     except OSError:
@@ -293,7 +293,7 @@ def _probe_read(directory: Path) -> bool:
     try:
         fd = os.open(directory / "zarr.json", os.O_RDONLY | _O_DIRECT)
         try:
-            os.preadv(fd, [memoryview(buf)], 0)
+            os.preadv(fd, [buf.data], 0)
         finally:
             os.close(fd)
     except OSError:

@@ -7,7 +7,7 @@ A durable commit never overwrites committed bytes before the commit point:
    temporary file, fsync'ed and renamed to ``.tierswap/journal.json``: **the commit point**;
 3. roll-forward removes superseded files, renames staged files over their targets (first
    moving a replaced chunk aside as a spare write target where the plan says so, see
-   :mod:`tierswap.store.recycle`), fsyncs the touched directories and deletes the journal.
+   :mod:`tierswap.store._recycle`), fsyncs the touched directories and deletes the journal.
 
 Every roll-forward step is idempotent (rename only what is still staged; unlinks never name a
 rename target), so a writer that finds a journal on open simply rolls it forward again. A crash
