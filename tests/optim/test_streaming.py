@@ -150,3 +150,13 @@ def test_device_copies_go_back_to_the_host_buffers(monkeypatch) -> None:
         assert taken, "the device seam was not used"
         for a, b in zip(plain_model.parameters(), swap_model.parameters(), strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_step_without_gradients_still_commits_when_due(tmp_path) -> None:
+    model = Mixed()
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s") as swap:
+        _step(model, swap, torch.randn(5, 96))
+        swap.zero_grad()
+        swap.step()  # no parameter has a gradient: nothing steps, the count and commit go on
+        assert swap.steps == 2
+        assert swap._backend.committed_meta()["steps"] == 2

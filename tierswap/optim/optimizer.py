@@ -306,6 +306,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        due = self._commit_due()
         live = {s.index for s in self._slots if s.param.grad is not None}
         pieces = [
             piece
@@ -328,7 +329,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # Stepped params without a master were written with their slices when a commit is due.
         self._params_written = plan.live if plan is not None and plan.write_params else set()
         self._steps += 1
-        if self._params_written:
+        if due:
             self.commit()
         return loss
 
