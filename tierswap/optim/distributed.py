@@ -109,21 +109,22 @@ def broadcast_owned_params(optimizer: Any) -> None:
             dist.broadcast(param.data, src=dist.get_global_rank(group, owner), group=group)
 
 
-def _steps_of_ranks(steps: int) -> list[Any]:
+def _differing_steps(steps: int) -> str | None:
+    """``"rank 0: 3, rank 1: 2"`` when the ranks' step counts differ, else ``None`` (a
+    collective: ``all_gather_object`` over the default group)."""
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, int(steps))
-    return gathered
+    if len(set(gathered)) == 1:
+        return None
+    return ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
 
 
 def check_same_step(steps: int, path: str | Path, what: str) -> None:
     """Raise :class:`InconsistentResumeError` unless every rank is at step ``steps`` before
     ``what`` (e.g. a snapshot: per-rank folders of one consistent step). A collective; a no-op
     outside ``torch.distributed``."""
-    if not _distributed():
-        return
-    gathered = _steps_of_ranks(steps)
-    if len(set(gathered)) > 1:
-        found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
+    found = _differing_steps(steps) if _distributed() else None
+    if found is not None:
         raise InconsistentResumeError(
             f"the ranks are at different steps ({found}; this is {str(path)!r}): a {what} of "
             "the ranks' folders would mix steps; call it on every rank after the same step()"
@@ -138,11 +139,8 @@ def check_resumed_steps(steps: int, path: str | Path) -> None:
     over the default process group (``all_gather_object``: every rank must call it, as every
     rank constructs its optimizer); a no-op outside ``torch.distributed``.
     """
-    if not _distributed():
-        return
-    gathered = _steps_of_ranks(steps)
-    if len(set(gathered)) > 1:
-        found = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
+    found = _differing_steps(steps) if _distributed() else None
+    if found is not None:
         raise InconsistentResumeError(
             f"the ranks' swap folders hold different steps ({found}; this is {str(path)!r}): "
             "the run stopped between two ranks' commits, and no rank can step back or catch up "

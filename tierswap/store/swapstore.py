@@ -546,10 +546,20 @@ class SwapStore:
         except BaseException:
             self._release(entry)
             raise
+        return self._read_result(reads, entry, (), out)
+
+    def _read_result(
+        self,
+        reads: Future[list[None]],
+        entry: _Entry,
+        chunks: Iterable[tuple[str, int]],
+        out: torch.Tensor,
+    ) -> Future[torch.Tensor]:
+        """The caller's future of a read: ``out`` once ``reads`` end (the entry released)."""
         result: Future[torch.Tensor] = Future()
 
         def _done(finished: Future[list[None]]) -> None:
-            self._release(entry)
+            self._release(entry, chunks)
             error = finished.exception()
             if error is None:
                 result.set_result(out)
@@ -621,18 +631,7 @@ class SwapStore:
         except BaseException:
             self._release(entry, chunks)
             raise
-        result: Future[torch.Tensor] = Future()
-
-        def _done(finished: Future[list[None]]) -> None:
-            self._release(entry, chunks)
-            error = finished.exception()
-            if error is None:
-                result.set_result(out)
-            else:
-                result.set_exception(error)
-
-        reads.add_done_callback(_done)
-        return result
+        return self._read_result(reads, entry, chunks, out)
 
     def put_region(self, key: str, start: int, tensor: torch.Tensor) -> None:
         """Overwrite elements ``[start, start + tensor.numel())`` of ``key`` with ``tensor``'s
