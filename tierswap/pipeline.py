@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,7 +40,7 @@ from tierswap.io._engine import gather
 if TYPE_CHECKING:
     from tierswap.store._layout import ArrayInfo
 
-__all__ = ["Job", "Pipeline", "Region", "Work"]
+__all__ = ["Job", "Pipeline", "Region", "Work", "write_regions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,15 +190,11 @@ class Pipeline:
             kept.update(writes)
             self._resident_bytes[job.name] = job.nbytes
             return
-        futures: list[Future[Any]] = []
         try:
-            for region, tensor in writes.items():
-                futures.append(self._store.put_region_async(region.key, region.start, tensor))
-        except BaseException:  # the writes started must end before the buffers are reused
-            gather(futures).exception()
+            done = write_regions(self._store, writes)
+        except BaseException:
             self._give_back(job, tensors)
             raise
-        done = gather(futures)
         with self._cv:
             self._writes.append(done)
         done.add_done_callback(lambda f: self._written(job, tensors, f))
@@ -288,14 +284,8 @@ class Pipeline:
 
     def flush(self) -> None:
         """Write every resident job's tensors to the store and wait for all writes."""
-        futures = [
-            self._store.put_region_async(r.key, r.start, t)
-            for tensors in self._resident.values()
-            for r, t in tensors.items()
-        ]
-        gather(futures).exception()
-        for future in futures:
-            future.result()
+        resident = {r: t for tensors in self._resident.values() for r, t in tensors.items()}
+        write_regions(self._store, resident).result()
         self.drain()
 
     def evict(self) -> None:
@@ -325,6 +315,21 @@ class Pipeline:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+
+def write_regions(store: RegionStore, writes: Mapping[Region, torch.Tensor]) -> Future[Any]:
+    """Start writing every region of ``writes``; one future for all of them (its result raises
+    the first failure once every write has ended). When a write cannot even start, the writes
+    already started are waited for before the error is raised, so the caller may reuse the
+    tensors at once."""
+    futures: list[Future[Any]] = []
+    try:
+        for region, tensor in writes.items():
+            futures.append(store.put_region_async(region.key, region.start, tensor))
+    except BaseException:
+        gather(futures).exception()
+        raise
+    return gather(futures)
 
 
 class _BufferPool:

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierswap._lifetime import close_at_exit
-from tierswap.io._engine import gather
 from tierswap.optim.distributed import rank_swap_dir
-from tierswap.pipeline import Pipeline, Region
+from tierswap.pipeline import Pipeline, Region, write_regions
 from tierswap.tiers import DEVICE, HOST, NVME
 
 if TYPE_CHECKING:
@@ -95,12 +94,6 @@ class StateBackend:
         self.store.create(key, shape, dtype)
         self.known.add(key)
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Add or replace ``key`` whole (load_state_dict); resident copies are dropped first."""
-        self.pipeline.evict()
-        self.store.put(key, tensor)
-        self.known.add(key)
-
     def put_many(self, tensors: dict[str, torch.Tensor]) -> None:
         """Add or replace several keys whole, all or none (a failed write changes none)."""
         self.pipeline.evict()
@@ -109,10 +102,7 @@ class StateBackend:
 
     def put_regions(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write regions, all in flight at once; the tensors must not change until this returns."""
-        futures = [self.store.put_region_async(r.key, r.start, t) for r, t in writes.items()]
-        gather(futures).exception()
-        for future in futures:
-            future.result()
+        write_regions(self.store, writes).result()
 
     def read(self, key: str) -> torch.Tensor:
         """A CPU copy of ``key``'s stored value (call ``pipeline.flush()`` first)."""

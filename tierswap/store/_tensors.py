@@ -40,16 +40,27 @@ def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def prepare_out(meta: ArrayMeta, out: torch.Tensor | None) -> torch.Tensor:
+def prepare_out(
+    meta: ArrayMeta, out: torch.Tensor | None, region: int | None = None
+) -> torch.Tensor:
+    """``out`` checked for a read of ``meta``'s tensor (or a new page-aligned tensor): the whole
+    tensor, or with ``region`` a run of that many elements (``out`` of any shape, returned 1-D)."""
+    shape = meta.shape if region is None else (region,)
     if out is None:
-        return aligned_empty(meta.shape, meta.dtype)  # pinned when CUDA is present
+        return aligned_empty(shape, meta.dtype)  # pinned when CUDA is present
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
         raise InvalidTensorError(f"out= must be a CPU tensor for key {meta.key!r}")
-    if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
+    fits = tuple(out.shape) == meta.shape if region is None else out.numel() == region
+    if out.dtype != meta.dtype or not fits:
+        wanted = (
+            f"{meta.dtype} {meta.shape}"
+            if region is None
+            else f"{meta.dtype} x {region} elements in that region"
+        )
         raise InvalidTensorError(
-            f"out= is {out.dtype} {tuple(out.shape)} but key {meta.key!r} holds "
-            f"{meta.dtype} {meta.shape}; pass a matching tensor"
+            f"out= is {out.dtype} {tuple(out.shape)} but key {meta.key!r} holds {wanted}; "
+            "pass a matching tensor"
         )
     if not out.is_contiguous():
         raise InvalidTensorError(f"out= for key {meta.key!r} must be contiguous")
-    return out
+    return out if region is None else out.view(-1)

@@ -43,7 +43,6 @@ from tierswap.errors import (
     RegionError,
     StoreClosedError,
 )
-from tierswap.io._buffers import aligned_empty
 from tierswap.io._engine import IOEngine, gather, translate_os_error
 from tierswap.keys import KeyHierarchy, validate_key
 from tierswap.store import _journal as journal
@@ -77,8 +76,17 @@ class _Entry:
     retired: bool = False  # superseded; delete staged files when the last reader is done
     garbage: list[Path] = dataclasses.field(default_factory=list)  # replaced staged chunk files
 
-    def staged_files(self) -> list[Path]:
-        return [self.files[i] for i in sorted(self.staged)]
+    def unused_files(self) -> list[Path]:
+        """Files no read uses any more, handed over (the caller recycles or deletes them):
+        replaced staged versions, and every staged file once the entry is retired; none while
+        a read of the entry is in flight. Called with the store's lock held."""
+        if self.readers:
+            return []
+        doomed, self.garbage = self.garbage, []
+        if self.retired:
+            doomed += [self.files[i] for i in sorted(self.staged)]
+            self.staged = set()
+        return doomed
 
 
 class SwapStore:
@@ -238,11 +246,16 @@ class SwapStore:
     def _wait_keys(self, keys: list[str], *, readers: bool = False) -> None:
         """:meth:`_wait_key` for several keys at once (none is claimed while waiting, so a
         commit never waits for a caller that waits for it)."""
+        self._wait_until_free(lambda: any(self._key_busy(key, readers) for key in keys))
+
+    def _wait_until_free(self, busy: Callable[[], bool]) -> None:
+        """Wait (``_cv`` held) out a commit, then until ``busy()`` is false; every wait ends
+        with the store checked open again (``busy`` may raise, e.g. for a deleted key)."""
         while True:
             while self._committing:
                 self._cv.wait()
             self._check_open()
-            if not any(self._key_busy(key, readers) for key in keys):
+            if not busy():
                 return
             self._cv.wait()
 
@@ -504,10 +517,7 @@ class SwapStore:
         """Delete a superseded entry's staged files once no read uses them."""
         with self._cv:
             entry.retired = True
-            if entry.readers:
-                return
-            doomed = entry.staged_files() + entry.garbage
-            entry.garbage = []
+            doomed = entry.unused_files()
         self._discard(doomed)
 
     def delete(self, key: str) -> None:
@@ -592,11 +602,7 @@ class SwapStore:
         with self._cv:
             entry.readers -= 1
             self._chunk_reads.subtract(chunks)
-            doomed: list[Path] = []
-            if entry.readers == 0:
-                doomed, entry.garbage = entry.garbage, []
-                if entry.retired:
-                    doomed += entry.staged_files()
+            doomed = entry.unused_files()
             self._active -= 1
             self._cv.notify_all()
         self._discard(doomed)
@@ -620,7 +626,7 @@ class SwapStore:
         entry, span = self._claim_region(key, start, stop, write=False)
         chunks = [(key, i) for i in span]
         try:
-            out = _region_out(entry.meta, stop - start, out)
+            out = prepare_out(entry.meta, out, region=stop - start)
             refs = [ChunkRef(key, i, entry.files[i], entry.meta.crcs[i]) for i in span]
             reads = gather(
                 [
@@ -694,19 +700,18 @@ class SwapStore:
         """Check the region and register the operation once no write (and, for an in-place
         write, no read) holds its chunks; returns the entry and the chunk indices."""
         with self._cv:
-            while True:
-                while self._committing:
-                    self._cv.wait()
-                self._check_open()
-                entry = self._lookup(key)
-                span = _check_region(entry.meta, start, stop, dtype)
+
+            def busy() -> bool:
+                span = _check_region(self._lookup(key).meta, start, stop, dtype)
                 chunks = [(key, i) for i in span]
-                busy = key in self._pending or any(c in self._chunk_writes for c in chunks)
-                if write and not self.durable:
-                    busy = busy or any(self._chunk_reads[c] for c in chunks)
-                if not busy:
-                    break
-                self._cv.wait()
+                if key in self._pending or any(c in self._chunk_writes for c in chunks):
+                    return True
+                return write and not self.durable and any(self._chunk_reads[c] for c in chunks)
+
+            self._wait_until_free(busy)
+            entry = self._lookup(key)
+            span = _check_region(entry.meta, start, stop, dtype)
+            chunks = [(key, i) for i in span]
             self._active += 1
             if write:
                 self._chunk_writes.update(chunks)
@@ -742,9 +747,7 @@ class SwapStore:
         with self._cv:
             self._chunk_writes.difference_update((entry.meta.key, i) for i in span)
             self._region_writes[entry.meta.key] -= 1
-            doomed: list[Path] = []
-            if entry.readers == 0:
-                doomed, entry.garbage = entry.garbage, []
+            doomed = entry.unused_files()
             self._active -= 1
             self._cv.notify_all()
         self._discard(doomed)
@@ -1015,19 +1018,6 @@ def _check_region(
             f"key {meta.key!r} holds {meta.dtype}, not {dtype}; convert the tensor first"
         )
     return meta.chunk_span(start, stop)
-
-
-def _region_out(meta: ArrayMeta, numel: int, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return aligned_empty((numel,), meta.dtype)
-    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
-        raise InvalidTensorError(f"out= for key {meta.key!r} must be a contiguous CPU tensor")
-    if out.dtype != meta.dtype or out.numel() != numel:
-        raise InvalidTensorError(
-            f"out= is {out.dtype} with {out.numel()} elements but the region of key "
-            f"{meta.key!r} is {meta.dtype} with {numel}; pass a matching tensor"
-        )
-    return out.view(-1)
 
 
 def _unlink_all(paths: Iterable[Path]) -> None:
