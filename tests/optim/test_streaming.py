@@ -31,6 +31,23 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     opt.step()
 
 
+def _master_step(
+    model: torch.nn.Module,
+    masters: list[torch.Tensor],
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+) -> None:
+    """The reference of a low-precision model: ``opt`` steps fp32 masters, copied back."""
+    model.zero_grad()
+    model(x).float().square().mean().backward()
+    for master, param in zip(masters, model.parameters(), strict=True):
+        master.grad = param.grad.float()
+    opt.step()
+    with torch.no_grad():
+        for master, param in zip(masters, model.parameters(), strict=True):
+            param.copy_(master)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slices_split_and_share_parameters_bitwise(name: str, dtype: torch.dtype) -> None:
@@ -53,14 +70,7 @@ def test_slices_split_and_share_parameters_bitwise(name: str, dtype: torch.dtype
             _step(swap_model, swap, x.to(dtype))
             if dtype == torch.bfloat16:
                 plain.zero_grad()
-                plain_model.zero_grad()
-                plain_model(x.to(dtype)).float().square().mean().backward()
-                for master, param in zip(masters, plain_model.parameters(), strict=True):
-                    master.grad = param.grad.float()
-                plain.step()
-                with torch.no_grad():
-                    for master, param in zip(masters, plain_model.parameters(), strict=True):
-                        param.copy_(master)
+                _master_step(plain_model, masters, plain, x.to(dtype))
             else:
                 _step(plain_model, plain, x)
         for a, b in zip(plain_model.parameters(), swap_model.parameters(), strict=True):
@@ -139,14 +149,7 @@ def test_device_copies_go_back_to_the_host_buffers(monkeypatch) -> None:
     with SwapOptimizer(swap_model.parameters(), lr=1e-2, host_budget="120KiB") as swap:
         for x in torch.randn(3, 5, 96).to(torch.bfloat16):
             _step(swap_model, swap, x)
-            plain_model.zero_grad()
-            plain_model(x).float().square().mean().backward()
-            for master, param in zip(masters, plain_model.parameters(), strict=True):
-                master.grad = param.grad.float()
-            plain.step()
-            with torch.no_grad():
-                for master, param in zip(masters, plain_model.parameters(), strict=True):
-                    param.copy_(master)
+            _master_step(plain_model, masters, plain, x)
         assert taken, "the device seam was not used"
         for a, b in zip(plain_model.parameters(), swap_model.parameters(), strict=True):
             assert torch.equal(a, b)

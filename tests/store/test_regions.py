@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import random
 import threading
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import zarr
 
 import tierswap as ts
+from tests.store.faults import inject
 from tierswap.errors import (
     CorruptionError,
     InvalidTensorError,
@@ -124,7 +124,7 @@ def test_damaged_chunk_is_reported_by_region_reads(store_path: Path) -> None:
         assert torch.equal(store.get("x"), value)
 
 
-def test_failed_region_write_leaves_the_key_as_it_was(store_path: Path, monkeypatch) -> None:
+def test_failed_region_write_leaves_the_key_as_it_was(store_path: Path) -> None:
     value = torch.randn(NUMEL)
     with _store(store_path) as store:
         store.put("x", value)
@@ -132,19 +132,14 @@ def test_failed_region_write_leaves_the_key_as_it_was(store_path: Path, monkeypa
         store.put_region("x", 0, torch.zeros(1024))  # an uncommitted, staged version of chunk 0
         expected = value.clone()
         expected[:1024] = 0
-        calls = {"n": 0}
-        real = os.pwritev
-
-        def full_after_two(fd, buffers, offset):
-            calls["n"] += 1
-            if calls["n"] > 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(fd, buffers, offset)
-
-        monkeypatch.setattr(os, "pwritev", full_after_two)
+        faulty = inject(  # the disk fills up from the third chunk of the next write on
+            store,
+            fail={"write_file": set(range(3, 100))},
+            error=lambda: OSError(errno.ENOSPC, "No space left on device"),
+        )
         with pytest.raises(OutOfSpaceError):
             store.put_region("x", 0, torch.ones(NUMEL))
-        monkeypatch.setattr(os, "pwritev", real)
+        faulty.fail.clear()
         assert torch.equal(store.get("x"), expected)
         staged = sorted((store_path / ".tierswap" / "staging").iterdir())
         assert len(staged) == 1  # only the earlier region write's chunk; failures left nothing

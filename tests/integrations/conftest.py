@@ -1,0 +1,24 @@
+"""A guard the trainer-integration tests share: a checkpoint must not gather the swapped state
+into RAM."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierswap.optim import _state_dict
+
+
+@pytest.fixture
+def no_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail when ``state_dict()`` gathers state after a step (a checkpoint should snapshot).
+
+    Before the first step the state is empty (Accelerate round-trips it at ``prepare()``).
+    """
+    gather = _state_dict.state_dict
+
+    def never_after_a_step(optimizer):  # type: ignore[no-untyped-def]
+        if optimizer.steps:
+            raise AssertionError("a checkpoint gathered the optimizer state into RAM")
+        return gather(optimizer)
+
+    monkeypatch.setattr(_state_dict, "state_dict", never_after_a_step)
