@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from tierswap.io._engine import IOEngine
+from tierswap.io import IOEngine
 
 
 class FaultyEngine:

@@ -67,26 +67,38 @@ def _address(arr: np.ndarray) -> int:
 class IOEngine:
     """Bounded thread pool of whole-file positional reads and writes.
 
+    Parameters
+    ----------
+    config:
+        Threads, requests in flight, block size and the O_DIRECT choice.
+    probe:
+        Where O_DIRECT is tried (``config.direct`` "auto" or "on"): a folder in which a
+        scratch file is written (``writable``), else an existing file whose first page is read.
+    writable:
+        Whether the engine writes (probe by writing) or only reads.
+
     Thread safety: every public method may be called from any thread. At most
     ``config.inflight`` requests are queued or running; :meth:`submit` blocks beyond that.
     """
 
-    def __init__(self, config: IOConfig, probe_dir: Path, *, writable: bool = True) -> None:
+    def __init__(self, config: IOConfig, probe: Path, *, writable: bool = True) -> None:
         self.config = config
-        self.direct = self._probe_direct(probe_dir, writable)
+        self.direct = self._probe_direct(probe, writable)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="tierswap-io")
         self._slots = threading.BoundedSemaphore(config.inflight)
         self._local = threading.local()
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
-    def _probe_direct(self, probe_dir: Path, writable: bool) -> bool:
+    def _probe_direct(self, probe: Path, writable: bool) -> bool:
+        """Whether O_DIRECT works where this engine reads and writes: ``probe`` is a folder
+        to write a scratch file in (``writable``), else an existing file to read."""
         if self.config.direct == "off" or not _O_DIRECT:
             return False
-        ok = _probe_write(probe_dir) if writable else _probe_read(probe_dir)
+        ok = _probe_write(probe) if writable else _probe_read(probe)
         if not ok and self.config.direct == "on":
             raise ConfigError(
-                f"direct='on' but the filesystem of {str(probe_dir)!r} rejects O_DIRECT; "
+                f"direct='on' but the filesystem of {str(probe)!r} rejects O_DIRECT; "
                 "use direct='auto' or 'off'"
             )
         return ok
@@ -287,11 +299,11 @@ def _probe_write(directory: Path) -> bool:
     return True
 
 
-def _probe_read(directory: Path) -> bool:
-    """Read the first page of the group's ``zarr.json`` with O_DIRECT."""
+def _probe_read(path: Path) -> bool:
+    """Read the first page of the file at ``path`` with O_DIRECT."""
     buf = np.frombuffer(mmap.mmap(-1, ALIGN), dtype=np.uint8)
     try:
-        fd = os.open(directory / "zarr.json", os.O_RDONLY | _O_DIRECT)
+        fd = os.open(path, os.O_RDONLY | _O_DIRECT)
         try:
             os.preadv(fd, [buf.data], 0)
         finally:
