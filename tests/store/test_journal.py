@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,22 +22,51 @@ def _meta(key: str, nbytes: int) -> ArrayMeta:
 def test_plan_changes_groups_and_disjoint_unlinks() -> None:
     committed = {"a/b": _meta("a/b", 3 * 4096), "x": _meta("x", 10)}
     current = {"a": _meta("a", 4096), "x": _meta("x", 10)}
-    changes = plan_changes(committed, current, {"a": ["s/0"]}, generation=2, meta={}, durable=True)
-    docs = dict(changes.documents)
+    plan, documents = plan_changes(
+        committed, current, {"a": ["s/0"]}, generation=2, meta={}, durable=True
+    )
+    docs = {rel: json.loads(data) for rel, data in documents}
     assert docs["a/zarr.json"]["node_type"] == "array"
     assert docs["zarr.json"]["attributes"]["tierswap"]["generation"] == 2
-    assert changes.chunk_moves == [("s/0", "a/c/0")]
+    assert plan.generation == 2
+    assert plan.moves == (("s/0", "a/c/0"),)
     # the old group's a/zarr.json is a rename target now, so it must not be unlinked
-    assert "a/zarr.json" not in changes.unlinks
-    assert {"a/b/c/0", "a/b/c/1", "a/b/c/2", "a/b/zarr.json"} <= set(changes.unlinks)
-    assert changes.rmdirs[:2] == ["a/b/c", "a/b"]
+    assert "a/zarr.json" not in plan.unlinks
+    assert {"a/b/c/0", "a/b/c/1", "a/b/c/2", "a/b/zarr.json"} <= set(plan.unlinks)
+    assert plan.rmdirs[:2] == ("a/b/c", "a/b")
+    assert plan.recycle == ()  # no spare names given: nothing is kept
 
 
 def test_plan_shrinking_array_unlinks_extra_chunks() -> None:
     committed = {"k": _meta("k", 3 * 4096)}
     current = {"k": _meta("k", 4096)}
-    changes = plan_changes(committed, current, {"k": ["s/0"]}, generation=1, meta={}, durable=True)
-    assert changes.unlinks == ["k/c/1", "k/c/2"]
+    plan, _docs = plan_changes(
+        committed, current, {"k": ["s/0"]}, generation=1, meta={}, durable=True
+    )
+    assert plan.unlinks == ("k/c/1", "k/c/2")
+
+
+def test_plan_recycles_only_replaced_whole_committed_chunks() -> None:
+    committed = {"k": _meta("k", 2 * 4096 + 10), "small": _meta("small", 10)}
+    current = {
+        "k": _meta("k", 4 * 4096),
+        "small": _meta("small", 4096),
+        "new": _meta("new", 4096),
+    }
+    changed = {"k": ["s/0", None, "s/2", "s/3"], "small": ["s/4"], "new": ["s/5"]}
+    names = iter(f"spare/f{i}" for i in range(10))
+    plan, _docs = plan_changes(
+        committed,
+        current,
+        changed,
+        generation=3,
+        meta={},
+        durable=True,
+        new_spare=lambda: next(names),
+    )
+    # k/c/0 was a whole committed chunk; k/c/2 was a padded edge chunk, k/c/3 did not exist;
+    # small's only chunk was padded; new had none
+    assert plan.recycle == (("k/c/0", "spare/f0"),)
 
 
 class _CrashError(Exception):

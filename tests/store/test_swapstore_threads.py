@@ -120,7 +120,7 @@ def test_puts_of_one_key_never_overlap(
         lock = threading.Lock()
         real = store._submit_put
 
-        def counting(meta, source, seq, result):
+        def counting(meta, source):
             with lock:
                 in_flight[meta.key] = in_flight.get(meta.key, 0) + 1
                 most[0] = max(most[0], in_flight[meta.key])
@@ -129,8 +129,9 @@ def test_puts_of_one_key_never_overlap(
                 with lock:
                     in_flight[meta.key] -= 1
 
-            result.add_done_callback(done)
-            real(meta, source, seq, result)
+            written = real(meta, source)
+            written.add_done_callback(done)
+            return written
 
         store._submit_put = counting
         values = [torch.full((3000,), float(i)) for i in range(8)]

@@ -1,15 +1,16 @@
-"""Turn "what was committed" and "what is current" into the file operations of one commit.
+"""Turn "what was committed" and "what is current" into the commit plan of one commit.
 
 Pure functions: no I/O, so the commit logic can be tested on its own. The journal module applies
-the result crash-safely.
+the plan crash-safely (:func:`tierswap.store._journal.commit_durable`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from tierswap.store._journal import CommitPlan
 from tierswap.store._layout import (
     ArrayMeta,
     array_document,
@@ -18,17 +19,10 @@ from tierswap.store._layout import (
     root_document,
 )
 
-__all__ = ["Changes", "plan_changes"]
+__all__ = ["Documents", "plan_changes"]
 
-
-@dataclasses.dataclass
-class Changes:
-    """Documents to write and files to move, unlink or remove for one commit."""
-
-    documents: list[tuple[str, dict[str, Any]]]  # (final relpath, zarr.json content)
-    chunk_moves: list[tuple[str, str]]  # (staged relpath, final relpath)
-    unlinks: list[str]
-    rmdirs: list[str]
+#: The metadata documents of a commit: ``(final relpath, encoded zarr.json)``.
+Documents = list[tuple[str, bytes]]
 
 
 def _groups(keys: Iterable[str]) -> set[str]:
@@ -53,23 +47,32 @@ def plan_changes(
     meta: dict[str, Any],
     durable: bool,
     purged: Mapping[str, list[str]] | None = None,
-) -> Changes:
-    """Plan the commit from ``committed`` to ``current``.
+    new_spare: Callable[[], str] | None = None,
+) -> tuple[CommitPlan, Documents]:
+    """Plan the commit from ``committed`` to ``current``: the journal's plan and the documents
+    to write.
 
     ``changed`` maps each key whose data or metadata changed to the relpaths of its staged
     chunk files, by chunk index (``None`` for a chunk already in place: not rewritten since the
     last commit, or written in place as in scratch mode; an empty list when none is staged).
     ``purged`` maps deleted keys whose metadata was unreadable to the relpaths of their files.
+    ``new_spare`` names a fresh spare file (a relpath): with it, every committed whole chunk
+    that a staged one replaces is moved there (``plan.recycle``) instead of being dropped.
     """
     documents: list[tuple[str, dict[str, Any]]] = []
     moves: list[tuple[str, str]] = []
+    recycle: list[tuple[str, str]] = []
     unlinks: list[str] = []
     rmdirs: list[str] = []
     for key, staged in changed.items():
-        new = current[key]
+        new, old = current[key], committed.get(key)
         documents.append((f"{key}/zarr.json", array_document(new)))
-        moves += [(src, chunk_relpath(key, i)) for i, src in enumerate(staged) if src is not None]
-        old = committed.get(key)
+        for i, src in enumerate(staged):
+            if src is None:
+                continue
+            moves.append((src, chunk_relpath(key, i)))
+            if new_spare is not None and _whole_chunk(old, i):
+                recycle.append((chunk_relpath(key, i), new_spare()))
         if old is not None:
             unlinks += [chunk_relpath(key, i) for i in range(new.nchunks, old.nchunks)]
     for key in committed.keys() - current.keys():
@@ -88,4 +91,12 @@ def plan_changes(
     documents.append(("zarr.json", root_document(generation, meta, durable)))
     targets = {dst for _, dst in moves} | {path for path, _ in documents}
     unlinks = [p for p in unlinks if p not in targets]
-    return Changes(documents, moves, unlinks, _depth_first(rmdirs))
+    plan = CommitPlan(
+        generation, tuple(moves), tuple(unlinks), tuple(_depth_first(rmdirs)), tuple(recycle)
+    )
+    return plan, [(rel, json.dumps(doc).encode()) for rel, doc in documents]
+
+
+def _whole_chunk(old: ArrayMeta | None, index: int) -> bool:
+    """Whether the last commit holds chunk ``index`` of ``old`` as a whole (unpadded) chunk."""
+    return old is not None and index < old.nchunks and old.payload(index)[1] == old.chunk_bytes
