@@ -19,6 +19,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy tierswap
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not slow" -q
 
 demo: $(STAMP)

@@ -33,7 +33,7 @@ from tierswap.cli._measure import (
 from tierswap.cli._report import BenchReport, Result, print_table, write_json
 from tierswap.config import IOConfig
 from tierswap.errors import BenchmarkError, TierswapError
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 
 TARGET = 0.95
 

@@ -34,11 +34,10 @@ import torch
 
 from tierswap.config import ALIGN, Size, parse_size, round_up
 from tierswap.errors import BudgetError
-from tierswap.io._buffers import aligned_empty
-from tierswap.io._engine import gather
+from tierswap.io import aligned_empty, gather
 
 if TYPE_CHECKING:
-    from tierswap.store._layout import ArrayInfo
+    from tierswap.store import ArrayInfo
 
 __all__ = ["Job", "Pipeline", "Region", "Work", "write_regions"]
 

@@ -25,7 +25,7 @@ from tierswap.cli._engines import (
 from tierswap.cli._measure import random_source
 from tierswap.config import IOConfig
 from tierswap.errors import BenchmarkError, ConfigError
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 
 SIZE = (3 << 20) + 12345  # not a whole number of blocks: the tail must survive
 

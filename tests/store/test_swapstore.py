@@ -22,7 +22,7 @@ from tierswap.errors import (
     StoreClosedError,
     StoreLockedError,
 )
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 
 DTYPES = [
     torch.float32,

@@ -39,7 +39,7 @@ from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 from tierswap.tiers import DEVICE, HOST, TierName
 
 if TYPE_CHECKING:
-    from tierswap.store._layout import ArrayInfo
+    from tierswap.store import ArrayInfo
 
 # Outcomes of one prefetch attempt: started (or nothing to do); started, more to do later;
 # waiting for write-backs it started; cannot get room yet.

@@ -13,7 +13,7 @@ import torch
 
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import ALIGN, round_up
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 from tierswap.tiers import HOST, MEMORY_TIERS, TierName
 
 TIERS = MEMORY_TIERS

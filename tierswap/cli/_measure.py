@@ -23,7 +23,7 @@ import torch
 
 from tierswap.config import format_size
 from tierswap.errors import ConfigError
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 
 __all__ = [
     "GB",

@@ -39,7 +39,7 @@ from tierswap.cli._plot import plot_report
 from tierswap.cli._report import BenchReport, Result, print_table, write_json, write_tune_file
 from tierswap.config import IOConfig
 from tierswap.errors import BenchmarkError, ConfigError
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 
 __all__ = ["ENGINES", "add_parser", "run"]
 

@@ -1,10 +1,10 @@
 """The store's data path: chunk files written, read and checked through the I/O engine.
 
-:class:`~tierswap.store.SwapStore` decides which file holds which chunk (staging, recycled
-spares, commits, locks); this module moves the bytes: a whole chunk file per call, its CRC32C
-computed on write and checked on every read, and a region of a chunk read or rewritten by way
-of the whole chunk when the region covers it only partly (the checksum covers the whole chunk).
-It counts the bytes it moves.
+:class:`~tierswap.store.SwapStore` and its parts decide which file holds which chunk (staging,
+recycled spares, commits, locks); this module moves the bytes: a whole chunk file per call, its
+CRC32C computed on write and checked on every read, and a region of a chunk read or rewritten by
+way of the whole chunk when the region covers it only partly (the checksum covers the whole
+chunk). It counts the bytes it moves.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 
 from tierswap.config import round_up
 from tierswap.errors import CorruptionError
-from tierswap.io._buffers import aligned_empty
-from tierswap.io._engine import IOEngine, translate_os_error, zeros_crc
+from tierswap.io import IOEngine, aligned_empty, translate_os_error, zeros_crc
 from tierswap.store._layout import ArrayMeta
 from tierswap.store._tensors import flat_bytes, spare_bytes
 

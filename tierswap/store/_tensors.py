@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from tierswap.errors import InvalidTensorError
-from tierswap.io._buffers import aligned_empty
+from tierswap.io import aligned_empty
 from tierswap.store._dtypes import dtype_name
 from tierswap.store._layout import ArrayMeta
 
