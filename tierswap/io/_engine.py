@@ -1,6 +1,6 @@
 """The I/O engine: a bounded pool of threads doing large positional reads and writes.
 
-Each request moves one whole file (a zarr chunk) in ``block_bytes`` pieces with ``os.preadv`` /
+Each request moves one whole file (a chunk file) in ``block_bytes`` pieces with ``os.preadv`` /
 ``os.pwritev``, which release the GIL, so several requests run in parallel. With O_DIRECT the page
 cache is bypassed; buffers that are not page-aligned go through a per-thread aligned bounce buffer.
 Without O_DIRECT (tmpfs, some network filesystems) writes are buffered and the pages are dropped
@@ -137,7 +137,7 @@ class IOEngine:
     ) -> int:
         """Write ``src`` (uint8) at offset 0 of a new ``path`` of ``file_size`` bytes; return CRC.
 
-        Bytes past ``src`` up to ``file_size`` read as zeros (zarr's padded edge chunk).
+        Bytes past ``src`` up to ``file_size`` read as zeros (a padded edge chunk).
         ``in_place`` overwrites an existing file of that size without truncating it first, so
         the filesystem reuses its blocks instead of allocating new ones.
         """

@@ -111,9 +111,10 @@ class Gate:
             while self._exclusive:
                 self._cv.wait()
             self._exclusive = True
-            while self._active:
-                self._cv.wait()
-        try:
+        try:  # from here on, whatever happens (an interrupted wait too) lets the others in
+            with self._cv:
+                while self._active:
+                    self._cv.wait()
             yield
         finally:
             with self._cv:

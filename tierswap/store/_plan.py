@@ -67,12 +67,9 @@ def plan_changes(
     for key, staged in changed.items():
         new, old = current[key], committed.get(key)
         documents.append((f"{key}/zarr.json", array_document(new)))
-        for i, src in enumerate(staged):
-            if src is None:
-                continue
-            moves.append((src, chunk_relpath(key, i)))
-            if new_spare is not None and _whole_chunk(old, i):
-                recycle.append((chunk_relpath(key, i), new_spare()))
+        key_moves, key_recycle = _chunk_moves(key, staged, old, new_spare)
+        moves += key_moves
+        recycle += key_recycle
         if old is not None:
             unlinks += [chunk_relpath(key, i) for i in range(new.nchunks, old.nchunks)]
     for key in committed.keys() - current.keys():
@@ -95,6 +92,25 @@ def plan_changes(
         generation, tuple(moves), tuple(unlinks), tuple(_depth_first(rmdirs)), tuple(recycle)
     )
     return plan, [(rel, json.dumps(doc).encode()) for rel, doc in documents]
+
+
+def _chunk_moves(
+    key: str,
+    staged: list[str | None],
+    old: ArrayMeta | None,
+    new_spare: Callable[[], str] | None,
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The moves of ``key``'s staged chunks, and (with ``new_spare``) the spares the whole
+    committed chunks they replace become."""
+    moves: list[tuple[str, str]] = []
+    recycle: list[tuple[str, str]] = []
+    for i, src in enumerate(staged):
+        if src is None:
+            continue
+        moves.append((src, chunk_relpath(key, i)))
+        if new_spare is not None and _whole_chunk(old, i):
+            recycle.append((chunk_relpath(key, i), new_spare()))
+    return moves, recycle
 
 
 def _whole_chunk(old: ArrayMeta | None, index: int) -> bool:

@@ -295,7 +295,10 @@ class SwapStore:
             self._install(meta, paths)
         except OSError as exc:
             unlink_all(paths)
-            raise translate_os_error(exc, f"installing key {meta.key!r}") from exc
+            translated = translate_os_error(exc, f"installing key {meta.key!r}")
+            if translated is exc:
+                raise
+            raise translated from exc
 
     def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
         """Make freshly written chunk files the current version of ``meta.key``."""
