@@ -173,3 +173,52 @@ def test_a_folder_from_before_names_still_resumes(tmp_path: Path) -> None:
         _train(fresh, resumed, xs[2:])
     for a, b in zip(reference.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _named_groups(model: torch.nn.Module, split: int = 2, swap: bool = False) -> list[dict]:
+    """The first ``split`` named parameters at lr 1e-2, the others at 1e-3; ``swap`` passes
+    the two groups in the other order."""
+    named = list(model.named_parameters())
+    result: list[dict] = [
+        {"params": [p for _, p in part], "param_names": [n for n, _ in part], "lr": lr}
+        for part, lr in ((named[:split], 1e-2), (named[split:], 1e-3))
+    ]
+    return result[::-1] if swap else result
+
+
+def test_resume_gives_each_group_its_hyper_parameters_by_name(tmp_path: Path) -> None:
+    reference, model = make_models()
+    xs = batches(4)
+    _train(reference, torch.optim.AdamW(_named_groups(reference)), xs)
+    opt = SwapOptimizer(_named_groups(model), swap_dir=tmp_path / "s", host_budget="64KiB")
+    _train(model, opt, xs[:2])
+    opt.close()
+    _, fresh = make_models(seed=5)
+    with SwapOptimizer(
+        _named_groups(fresh, swap=True), swap_dir=tmp_path / "s", host_budget="64KiB", resume=True
+    ) as resumed:
+        lrs = [(g["param_names"][0], g["lr"]) for g in resumed.param_groups]
+        assert lrs == [("inp.bias", 1e-3), ("unused", 1e-2)]
+        _train(fresh, resumed, xs[2:])
+    for name, param in reference.named_parameters():
+        assert torch.equal(param, fresh.get_parameter(name)), name
+
+
+@pytest.mark.parametrize("names", [True, False])
+def test_resume_refuses_parameters_split_into_other_groups(tmp_path: Path, names: bool) -> None:
+    _, model = make_models()
+
+    def split_at(count: int) -> list[dict]:
+        parts = _named_groups(model, split=count)
+        if not names:
+            for group in parts:
+                del group["param_names"]
+        return parts
+
+    with SwapOptimizer(split_at(2), swap_dir=tmp_path / "s") as opt:
+        _train(model, opt, batches(1))
+    match = r"param groups.*'inp.weight'" if names else "param groups"
+    with pytest.raises(ConfigError, match=match):
+        SwapOptimizer(split_at(1), swap_dir=tmp_path / "s", resume=True)
+    with SwapStore(tmp_path / "s", mode="r") as store:  # nothing written
+        assert store.generation == 1

@@ -74,6 +74,7 @@ def commit(optimizer: SwapOptimizer) -> int:
         "layout": _layout(optimizer),
         "keys": [s.prefix for s in slots],
         "names": [s.name for s in slots],
+        "groups": [s.group for s in slots],  # a resume matches param groups by their members
         "chunk_bytes": optimizer._chunk_bytes,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
@@ -86,11 +87,14 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     backend = optimizer._backend
     check_world(meta, backend.path)
     match_keys(optimizer._slots, meta, backend.path)
+    small = backend.load_small()
+    saved_groups = match_groups(
+        optimizer._slots, len(optimizer.param_groups), meta, len(small["groups"]), backend.path
+    )  # checked before anything changes: a refused resume leaves optimizer and folder alone
     chunk = meta.get("chunk_bytes")
     if chunk and chunk != optimizer._chunk_bytes:  # slices must follow the stored chunking
         optimizer._chunk_bytes = chunk
         optimizer._plan()
-    small = backend.load_small()
     by_prefix: dict[str | int, int] = {s.prefix: s.index for s in optimizer._slots}
     index_of: dict[str | int, int] = {
         **by_prefix,
@@ -98,8 +102,8 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     }  # positional blobs
     optimizer._small = defaultdict(dict, {index_of[k]: v for k, v in small["small"].items()})
     optimizer._state_names = defaultdict(list, {index_of[k]: v for k, v in small["names"].items()})
-    for group, saved in zip(optimizer.param_groups, small["groups"], strict=True):
-        group.update(saved)
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update(small["groups"][saved])
     optimizer._steps = small["steps"]
     with torch.no_grad():
         for piece in optimizer._slices:  # a slice at a time: the transient stays one slice
@@ -131,6 +135,58 @@ def match_keys(slots: list[Slot], meta: dict[str, Any], path: Any) -> None:
         )
     for slot, key in zip(slots, saved_keys, strict=True):
         slot.key = key
+
+
+def match_groups(
+    slots: list[Slot], count: int, meta: dict[str, Any], saved_count: int, path: Any
+) -> list[int]:
+    """For each of the ``count`` param groups here, the index of the committed group that holds
+    the same parameters (call :func:`match_keys` first), or raise ``ConfigError``.
+
+    Parameters are identified by their keys, so named groups match by the names of their
+    parameters (the groups' order may change) and positional ones by position. A folder
+    committed before groups were recorded matches by position.
+    """
+    saved_of = meta.get("groups")
+    if saved_of is None:
+        if saved_count != count:
+            raise ConfigError(
+                f"swap_dir {str(path)!r} was committed with {saved_count} param groups, this "
+                f"optimizer has {count}; resume with the same param groups, or use a new swap_dir"
+            )
+        return list(range(count))
+    keys = meta.get("keys") or [f"p{i}" for i in range(len(saved_of))]
+    saved: list[set[str]] = [set() for _ in range(saved_count)]
+    for key, group in zip(keys, saved_of, strict=True):
+        saved[group].add(key)
+    here: list[set[str]] = [set() for _ in range(count)]
+    for slot in slots:
+        here[slot.group].add(slot.prefix)
+    candidates: dict[frozenset[str], list[int]] = defaultdict(list)
+    for index, members in enumerate(saved):
+        candidates[frozenset(members)].append(index)
+    order = [
+        candidates[frozenset(members)].pop(0) for members in here if candidates[frozenset(members)]
+    ]
+    if len(order) != count or count != saved_count:
+        _refuse_regrouping(slots, here, saved, path)
+    return order
+
+
+def _refuse_regrouping(
+    slots: list[Slot], here: list[set[str]], saved: list[set[str]], path: Any
+) -> None:
+    """Raise the ``ConfigError`` of param groups that hold other parameters than the commit's,
+    naming the parameters (up to ten) whose group-mates changed."""
+    mates = {key: members for members in saved for key in members}
+    display = {s.prefix: s.name if s.name is not None else s.prefix for s in slots}
+    moved = [display[k] for members in here for k in sorted(members) if mates.get(k) != members]
+    shown = ", ".join(repr(name) for name in moved[:10]) + (", ..." if len(moved) > 10 else "")
+    raise ConfigError(
+        f"swap_dir {str(path)!r} was committed with other param groups ({len(saved)} groups, "
+        f"here {len(here)}): the parameters [{shown}] were grouped otherwise; resume with the "
+        "same parameters in each group (the groups' order may change), or use a new swap_dir"
+    )
 
 
 def _match_by_name(
