@@ -259,7 +259,9 @@ def skewed_resume(rank: int, swap_dir: Path) -> str:
     train(model, opt, rank, range(1, 2))
     if rank == 0:
         opt.commit()
-    opt.close()
+        opt.close()
+    else:  # killed: released without close(), whose final commit would save step 2
+        opt._finalizer()
     try:
         fsdp(swap_dir, resume=True)[1].close()
     except tierswap.errors.InconsistentResumeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 
 import pytest
@@ -87,10 +88,12 @@ def test_commit_and_resume_in_process(tmp_path) -> None:
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     data = batches(6)
     kwargs = {"swap_dir": tmp_path / "run", "host_budget": 8192, "lr": 1e-2}
-    with SwapOptimizer(swap_model.parameters(), **kwargs, commit_every=2) as swap:
-        for x in data[:3]:
-            train_step(plain_model, plain, x)
-            train_step(swap_model, swap, x)
+    swap = SwapOptimizer(swap_model.parameters(), **kwargs, commit_every=2)
+    for x in data[:3]:
+        train_step(plain_model, plain, x)
+        train_step(swap_model, swap, x)
+    del swap  # lost without close() (a kill): its finalizer releases the folder, no commit
+    gc.collect()
     # step 3 was not committed: the resumed run restarts from step 2, so replay it
     plain_model2, _ = make_models()
     plain2 = torch.optim.AdamW(plain_model2.parameters(), lr=1e-2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import warnings
 import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, cast
@@ -79,7 +80,47 @@ def commit(optimizer: SwapOptimizer) -> int:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
     }
-    return optimizer._backend.commit(small, meta)
+    generation = optimizer._backend.commit(small, meta)
+    optimizer._snapshot_changed = False  # the commit holds any state loaded before it
+    return generation
+
+
+def final_commit(optimizer: SwapOptimizer) -> None:
+    """At ``close()``: commit the steps (or loaded state) since the last commit, where a
+    resume can use the commit; warn when there are such steps that cannot be committed."""
+    backend = optimizer._backend
+    config = optimizer._config
+    if backend.closed or not config.durable or config.swap_dir is None:
+        return  # closed already, a scratch store, or a temporary folder that close() removes
+    meta = backend.committed_meta()
+    committed = 0 if meta is None else int(meta.get("steps", 0))
+    if committed == optimizer.steps and not optimizer._snapshot_changed:
+        return
+    where = f"swap_dir {str(backend.path)!r}"
+    world = world_meta()
+    if meta is not None and any(meta.get(k, 0 if k == "rank" else 1) != world[k] for k in world):
+        reason = "the torch.distributed process group was destroyed before close()"
+    elif optimizer._step_failed or optimizer._plan_of_step is not None:
+        reason = "a step failed (or is under way) and left the state between two steps"
+    else:
+        reason = ""
+    if reason:
+        warnings.warn(
+            f"{where}: steps after step {committed} were not committed, because {reason}; "
+            f"resume=True continues from step {committed}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    try:
+        commit(optimizer)
+    except Exception as exc:
+        warnings.warn(
+            f"{where}: close() could not commit steps {committed + 1}..{optimizer.steps} "
+            f"({type(exc).__name__}: {exc}); resume=True continues from step {committed}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
