@@ -132,3 +132,9 @@ def test_callback_without_optimizer_save_only_commits(tmp_path) -> None:
         assert "state" in opt.state_dict()  # disarmed: torch's own format again
         assert opt._backend.store.generation == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_find_swap_optimizer_stays_importable_from_the_hf_module() -> None:
+    import tierswap.optim
+
+    assert find_swap_optimizer is tierswap.optim.find_swap_optimizer

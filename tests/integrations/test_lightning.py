@@ -40,3 +40,42 @@ def test_checkpoints_keep_snapshots_and_resume_bit_exact(tmp_path) -> None:
         resume=moved / "step=6.ckpt",
     )  # fmt: skip
     assert_same_params(plain, resumed)
+
+
+def test_a_snapshot_saved_across_filesystems_is_copied_beside_the_file(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    from pathlib import Path
+
+    import torch
+    from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+    from tierswap.integrations.lightning import SnapshotCheckpointIO, snapshot_path
+    from tierswap.optim import SwapOptimizer, snapshot_reference_path
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = SwapOptimizer(model.named_parameters(), swap_dir=tmp_path / "swap")
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    pending = tmp_path / "pending"
+    reference = opt.snapshot_state_dict(pending)
+    rename = Path.rename
+
+    def cross_device(self: Path, target: Path) -> Path:
+        if self == pending:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", cross_device)
+    io = SnapshotCheckpointIO(TorchCheckpointIO())
+    ckpt = tmp_path / "out" / "step=1.ckpt"
+    io.save_checkpoint({"optimizer_states": [reference]}, ckpt)
+    assert not pending.exists()
+    assert snapshot_reference_path(reference) == snapshot_path(ckpt).absolute()
+    loaded = io.load_checkpoint(ckpt)["optimizer_states"][0]
+    assert snapshot_reference_path(loaded) == snapshot_path(ckpt).absolute()
+    opt.load_state_dict(loaded)  # resumes from the copy
+    assert opt.steps == 1
+    opt.close()

@@ -20,8 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierswap.integrations.hf import find_swap_optimizer
-from tierswap.optim import SwapOptimizer, _snapshot
+from tierswap.optim import SwapOptimizer, find_swap_optimizer, hint_snapshot_folder
 
 __all__ = ["SnapshotCheckpoints", "snapshot_checkpoints", "snapshot_name"]
 
@@ -69,7 +68,7 @@ class SnapshotCheckpoints:
         """``load_state_dict`` follows the reference in optimizer.bin; should the checkpoint
         have moved since it was saved, the snapshot is looked for in ``input_dir``."""
         for _index, opt in self._swap_optimizers():
-            _snapshot.hint_folder(opt, input_dir)
+            hint_snapshot_folder(opt, input_dir)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -24,23 +24,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from tierswap.optim import SwapOptimizer
+from tierswap.optim import SwapOptimizer, find_swap_optimizer
 
+# find_swap_optimizer lives in tierswap.optim; it stays importable from here as before.
 __all__ = ["SNAPSHOT_DIR", "TierswapCallback", "find_swap_optimizer", "flatten_stats"]
 
 #: The optimizer's snapshot inside a checkpoint folder.
 SNAPSHOT_DIR = "optimizer.tierswap"
-
-
-def find_swap_optimizer(optimizer: Any) -> SwapOptimizer | None:
-    """The SwapOptimizer inside ``optimizer`` (accelerate wraps it in ``.optimizer``), if any."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, SwapOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return None
 
 
 def flatten_stats(stats: dict[str, Any], prefix: str = "tierswap") -> dict[str, float]:

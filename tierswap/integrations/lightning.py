@@ -35,9 +35,13 @@ except ImportError:  # the unified ``lightning`` package
     import lightning.pytorch as pl  # type: ignore[no-redef]
     from lightning.pytorch.plugins.io import CheckpointIO  # type: ignore[no-redef]
 
-from tierswap.integrations.hf import find_swap_optimizer
-from tierswap.optim import SwapOptimizer, _snapshot
-from tierswap.store._snapshot import take_snapshot
+from tierswap.optim import (
+    SwapOptimizer,
+    find_swap_optimizer,
+    retarget_snapshot_reference,
+    snapshot_reference_path,
+)
+from tierswap.store import SwapStore
 
 __all__ = ["SnapshotCheckpointIO", "TierswapCheckpoints", "snapshot_path"]
 
@@ -61,8 +65,11 @@ class SnapshotCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         for index, state in enumerate(checkpoint.get("optimizer_states", [])):
-            if _snapshot.is_reference(state):
-                _place(state[_snapshot.REFERENCE_KEY], snapshot_path(path, index))
+            pending = snapshot_reference_path(state)
+            if pending is not None:
+                beside = snapshot_path(path, index)
+                _place(pending, beside)
+                retarget_snapshot_reference(state, beside)
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     # **kwargs passes on what each Lightning version adds (weights_only, ...).
@@ -71,10 +78,9 @@ class SnapshotCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         checkpoint = self.inner.load_checkpoint(path, map_location=map_location, **kwargs)
         for index, state in enumerate(checkpoint.get("optimizer_states", [])):
-            if _snapshot.is_reference(state):  # the snapshot beside the file wins
-                beside = snapshot_path(path, index)
-                if beside.is_dir():
-                    state[_snapshot.REFERENCE_KEY]["path"] = str(beside.absolute())
+            beside = snapshot_path(path, index)
+            if snapshot_reference_path(state) is not None and beside.is_dir():
+                retarget_snapshot_reference(state, beside)  # the snapshot beside the file wins
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -89,18 +95,17 @@ class SnapshotCheckpointIO(CheckpointIO):
         self.inner.teardown()
 
 
-def _place(reference: dict[str, Any], dest: Path) -> None:
-    """Move the pending snapshot the reference names to ``dest`` and update the reference."""
-    pending = Path(reference["path"])
+def _place(pending: Path, dest: Path) -> None:
+    """Move the pending snapshot to ``dest`` (a rename, or a copy across filesystems)."""
     if dest.exists():  # the same file name saved again (save_last): replace it
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         pending.rename(dest)
     except OSError:  # another filesystem: copy (reflinks where possible), drop the pending one
-        take_snapshot(pending, dest)
+        with SwapStore(pending, mode="r") as store:
+            store.snapshot(dest)
         shutil.rmtree(pending)
-    reference["path"], reference["name"] = str(dest.absolute()), dest.name
 
 
 class TierswapCheckpoints(pl.Callback):

@@ -1,4 +1,5 @@
-"""Adapters: wrap an existing optimizer instance, or make a class frameworks can instantiate."""
+"""Adapters: wrap an existing optimizer instance, make a class frameworks can instantiate, or
+find the SwapOptimizer inside a framework's wrapper."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.optimizer import SwapOptimizer, _check_class
 
-__all__ = ["offload", "swapped"]
+__all__ = ["find_swap_optimizer", "offload", "swapped"]
 
 
 def offload(optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
@@ -46,3 +47,17 @@ def swapped(optimizer_class: type[torch.optim.Optimizer]) -> type[SwapOptimizer]
     Swapped.__name__ = Swapped.__qualname__ = f"Swapped{optimizer_class.__name__}"
     Swapped.__doc__ = f"{optimizer_class.__name__} with its state swapped by tierswap."
     return Swapped
+
+
+def find_swap_optimizer(optimizer: Any) -> SwapOptimizer | None:
+    """The :class:`SwapOptimizer` that ``optimizer`` is or wraps, else ``None``.
+
+    Trainers wrap optimizers (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``) and keep the wrapped one in ``.optimizer``; up to eight such
+    layers are followed.
+    """
+    for _layer in range(9):
+        if optimizer is None or isinstance(optimizer, SwapOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None

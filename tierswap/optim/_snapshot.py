@@ -25,7 +25,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim import _state_dict
 from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
-from tierswap.store._snapshot import (
+from tierswap.store import (
     Progress,
     SnapshotResult,
     check_apart,
@@ -46,6 +46,8 @@ __all__ = [
     "redirect",
     "redirected_state_dict",
     "reference",
+    "reference_path",
+    "retarget_reference",
     "seed_swap_dir",
     "snapshot",
 ]
@@ -142,7 +144,22 @@ def hint_folder(optimizer: SwapOptimizer, folder: str | os.PathLike[str] | None)
 
 
 def is_reference(state_dict: Any) -> bool:
+    """Whether ``state_dict`` is a snapshot reference (:func:`reference`), not torch's format."""
     return isinstance(state_dict, dict) and REFERENCE_KEY in state_dict
+
+
+def reference_path(state_dict: Any) -> Path | None:
+    """The snapshot folder a reference state dict (:func:`reference`) names; ``None`` for
+    any other state dict."""
+    return Path(state_dict[REFERENCE_KEY]["path"]) if is_reference(state_dict) else None
+
+
+def retarget_reference(state_dict: dict[str, Any], folder: str | os.PathLike[str]) -> None:
+    """Make the reference state dict name ``folder``, where its snapshot was moved or copied."""
+    if not is_reference(state_dict):
+        raise ConfigError("the state dict is not a tierswap snapshot reference")
+    path = Path(folder).absolute()
+    state_dict[REFERENCE_KEY].update(path=str(path), name=path.name)
 
 
 def load_reference(optimizer: SwapOptimizer, state_dict: dict[str, Any]) -> None:
