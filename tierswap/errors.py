@@ -35,8 +35,9 @@ class TierswapError(Exception):
     """Base class of every error tierswap raises on purpose."""
 
 
-class ConfigError(TierswapError, ValueError):
-    """A setting is invalid (a size that does not parse, a budget below the minimum, ...)."""
+class ConfigError(TierswapError, ValueError, TypeError):
+    """A setting is invalid (a size that does not parse, a budget below the minimum, an object
+    of the wrong kind, ...): a ``ValueError`` and a ``TypeError``, so either clause catches it."""
 
 
 class BudgetError(ConfigError):
