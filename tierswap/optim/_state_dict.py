@@ -40,10 +40,13 @@ def _entry(slot: Slot) -> list[Any]:
     return [list(slot.local.shape), str(master_dtype(slot.param)), slot.has_master]
 
 
-#: Not hyper-parameters. ZeroRedundancyOptimizer copies its constructor keywords (swap_dir,
-#: host_budget, ...) into every param group; they are settings of this run, and a Path among
-#: them would make the committed blob unloadable with ``torch.load(weights_only=True)``.
-_NOT_HYPER = frozenset(("params", "param_names", *(f.name for f in dataclasses.fields(SwapConfig))))
+#: Not hyper-parameters: a group's parameters and their names, the optimizer class a group
+#: names, and settings of this run (ZeroRedundancyOptimizer copies its constructor keywords,
+#: swap_dir, host_budget, ..., into every param group). A class or a Path among them would make
+#: the committed blob unloadable with ``torch.load(weights_only=True)``.
+_NOT_HYPER = frozenset(
+    ("params", "param_names", "optimizer_class", *(f.name for f in dataclasses.fields(SwapConfig)))
+)
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
