@@ -33,9 +33,7 @@ import torch
 
 from tierswap import LookaheadPolicy, SwapStore, TierCache
 from tierswap.cache import simulate
-from tierswap.cli import _args
-from tierswap.cli._engines import FioEngine, which
-from tierswap.cli._measure import bench_folder, drop_page_cache
+from tierswap.cli import FioEngine, bench_folder, drop_page_cache, positive_int_arg, size_arg, which
 from tierswap.config import format_size
 from tierswap.errors import TierswapError
 
@@ -45,11 +43,11 @@ POLICIES = ("lru", "lookahead", "lru+prefetch")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", type=Path, default=Path(), help="folder on the disk to use")
-    p.add_argument("--items", type=_args.positive_int, default=24, help="tensors (default 24)")
-    p.add_argument("--item-size", type=_args.size, default="4MiB", help="bytes per tensor")
+    p.add_argument("--items", type=positive_int_arg, default=24, help="tensors (default 24)")
+    p.add_argument("--item-size", type=size_arg, default="4MiB", help="bytes per tensor")
     p.add_argument("--ratio", type=float, default=3.0, help="working set / host budget")
-    p.add_argument("--cycles", type=_args.positive_int, default=5, help="cycles (default 5)")
-    p.add_argument("--window", type=_args.positive_int, default=2, help="lru+prefetch depth")
+    p.add_argument("--cycles", type=positive_int_arg, default=5, help="cycles (default 5)")
+    p.add_argument("--window", type=positive_int_arg, default=2, help="lru+prefetch depth")
     p.add_argument("--pattern", choices=("optimizer", "fwd-bwd"), default="optimizer")
     return p.parse_args(argv)
 

@@ -58,8 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierswap.cli._engines import FioEngine, which  # noqa: E402
-from tierswap.cli._measure import bench_folder, run_trial  # noqa: E402
+from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
 
 CHILD = Path(__file__).resolve().with_name("_e2e_child.py")

@@ -135,7 +135,8 @@ def check_bitwise_host_step(folder: Path, steps: int) -> None:
             opt.step()
             ref.step()
         ok = same(cpu_params, swap_model.parameters())
-        masters = all(s.has_master for s in opt._slots) or DEVICE == "cpu"
+        slots = [seg.slot for piece in opt.slices for seg in piece.segments]
+        masters = all(slot.has_master for slot in slots) or DEVICE == "cpu"
         record("bitwise host step of CUDA params (device tier off)", ok and masters,
                tier=opt.tier, masters=masters)  # fmt: skip
 

@@ -20,17 +20,24 @@ from pathlib import Path
 
 import torch
 
-from tierswap.cli import _args
-from tierswap.cli._engines import DdEngine, FioEngine, StoreEngine, which
-from tierswap.cli._measure import (
+from tierswap.cli import (
+    BenchReport,
+    DdEngine,
     Engine,
+    FioEngine,
+    Result,
     Setting,
+    StoreEngine,
     bench_folder,
     check_free_space,
+    positive_int_arg,
+    print_table,
     random_source,
     run_trial,
+    size_arg,
+    which,
+    write_json,
 )
-from tierswap.cli._report import BenchReport, Result, print_table, write_json
 from tierswap.config import IOConfig
 from tierswap.errors import BenchmarkError, TierswapError
 from tierswap.io import aligned_empty
@@ -41,10 +48,10 @@ TARGET = 0.95
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", type=Path, default=Path(), help="folder on the disk to measure")
-    p.add_argument("--size", type=_args.size, default="1GiB", help="tensor bytes (default 1GiB)")
-    p.add_argument("--repeat", type=_args.positive_int, default=3, help="trials (default 3)")
-    p.add_argument("--block-size", type=_args.size, help="store request size (default: config)")
-    p.add_argument("--threads", type=_args.positive_int, help="store I/O threads (default: config)")
+    p.add_argument("--size", type=size_arg, default="1GiB", help="tensor bytes (default 1GiB)")
+    p.add_argument("--repeat", type=positive_int_arg, default=3, help="trials (default 3)")
+    p.add_argument("--block-size", type=size_arg, help="store request size (default: config)")
+    p.add_argument("--threads", type=positive_int_arg, help="store I/O threads (default: config)")
     p.add_argument("--drop-cache", choices=("auto", "drop_caches", "fadvise"), default="auto")
     p.add_argument("--json", metavar="F", help="also write the results as JSON")
     return p.parse_args(argv)

@@ -14,9 +14,44 @@ import sys
 from collections.abc import Sequence
 
 from tierswap import __version__
+from tierswap.cli._args import positive_int as positive_int_arg
+from tierswap.cli._args import size as size_arg
+from tierswap.cli._engines import DdEngine, FioEngine, StoreEngine, which
+from tierswap.cli._measure import (
+    Engine,
+    Setting,
+    bench_folder,
+    check_free_space,
+    drop_page_cache,
+    random_source,
+    run_trial,
+)
+from tierswap.cli._report import BenchReport, Result, print_table, write_json
 from tierswap.errors import TierswapError
 
-__all__ = ["build_parser", "main"]
+# ``main`` is the command line; the other names are the measuring toolkit ``tierswap bench`` is
+# built from (engines, trials, reports, argparse types), public for the scripts in bench/.
+__all__ = [
+    "BenchReport",
+    "DdEngine",
+    "Engine",
+    "FioEngine",
+    "Result",
+    "Setting",
+    "StoreEngine",
+    "bench_folder",
+    "build_parser",
+    "check_free_space",
+    "drop_page_cache",
+    "main",
+    "positive_int_arg",
+    "print_table",
+    "random_source",
+    "run_trial",
+    "size_arg",
+    "which",
+    "write_json",
+]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
