@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
+
 import pytest
 import torch
 
@@ -15,6 +19,7 @@ from tests.optim.models import (
 )
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer, offload, swapped
+from tierswap.optim._config import SwapConfig
 
 
 def test_offload_keeps_class_groups_and_state() -> None:
@@ -50,8 +55,36 @@ def test_offload_with_too_small_a_budget_leaves_the_optimizer_intact() -> None:
 
 
 def test_offload_rejects_non_optimizers() -> None:
-    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+    with pytest.raises(ConfigError, match=r"torch\.optim\.Optimizer") as raised:
         offload(object())
+    assert isinstance(raised.value, TypeError)  # what offload() raised before
+    _, model = make_models()
+    with SwapOptimizer(model.parameters()) as swap, pytest.raises(ConfigError, match="already"):
+        offload(swap)
+
+
+def test_offload_names_keywords_that_are_not_settings() -> None:
+    _, model = make_models()
+    existing = torch.optim.Adam(model.parameters())
+    with pytest.raises(ConfigError, match=r"\['lr'\] are not SwapOptimizer settings"):
+        offload(existing, lr=1e-3, host_budget="1MiB")
+
+
+def test_the_settings_are_listed_once_per_place_and_documented() -> None:
+    """The constructor's keywords are SwapConfig's fields, in order, each in the docstring."""
+    signature = inspect.signature(SwapOptimizer.__init__).parameters.values()
+    keywords = [p.name for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    fields = [field.name for field in dataclasses.fields(SwapConfig)]
+    assert keywords == fields
+    doc = SwapOptimizer.__doc__ or ""
+    documented = {
+        name.strip() for line in re.findall(r"^    (\w[\w, ]*):$", doc, re.M)
+        for name in line.split(",")
+    }  # fmt: skip
+    assert set(fields) <= documented, sorted(set(fields) - documented)
+    for name in fields:  # the defaults agree too
+        default = inspect.signature(SwapOptimizer.__init__).parameters[name].default
+        assert default == SwapConfig.__dataclass_fields__[name].default, name
 
 
 def test_swapped_class_is_a_constructible_optimizer_class() -> None:

@@ -35,3 +35,9 @@ def test_plain_loop_runs_and_resumes(tmp_path) -> None:
     assert "step    2" in first
     again = _run("plain_loop.py", "--swap-dir", swap, "--steps", "1", "--resume")
     assert "step    3" in again  # the step count continues from the commit
+
+
+def test_muon_recipe_is_bit_identical_to_muon_and_adamw(tmp_path) -> None:
+    out = _run("muon_recipe.py", "--swap-dir", str(tmp_path / "swap"), "--steps", "3")
+    assert "parameters bit-identical to in-memory Muon + AdamW: True" in out
+    assert "muon matrices: 4" in out

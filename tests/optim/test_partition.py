@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._partition import (
-    Slot,
-    check_budget,
-    check_elementwise,
-    master_dtype,
-    plan_slices,
-    probe_state_itemsizes,
-)
+from tierswap.optim._partition import Slot, check_budget, master_dtype, plan_slices
+from tierswap.optim._probe import check_elementwise, probe_state_itemsizes
 from tierswap.optim.optimizer import _resident_prefix
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import Size, parse_size
@@ -14,12 +15,16 @@ __all__ = ["SwapConfig"]
 _OVERLAPS = (None, "backward")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SwapConfig:
-    """Where and how a :class:`~tierswap.SwapOptimizer` keeps its state.
+    """Where and how a :class:`~tierswap.SwapOptimizer` keeps its state (built by keyword).
+
+    The fields are the keywords of :class:`~tierswap.SwapOptimizer`, in the same order and with
+    the same defaults (``tests/optim/test_convert.py`` holds them together).
 
     ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
-    ``device_budget=0`` turns the device tier off. ``commit_every=0`` never commits on its own.
+    ``device_budget=0`` turns the device tier off. ``commit_every=0`` commits only on
+    ``commit()`` and at ``close()``.
     """
 
     swap_dir: str | os.PathLike[str] | None = None
@@ -58,6 +63,19 @@ class SwapConfig:
             object.__setattr__(self, "resume", True)
         if self.resume and self.swap_dir is None:
             raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")
+
+    @classmethod
+    def from_keywords(cls, **settings: Any) -> SwapConfig:
+        """The config of ``settings`` (keywords of :class:`~tierswap.SwapOptimizer`); a name
+        that is not a setting raises ``ConfigError`` naming it."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"{unknown} are not SwapOptimizer settings (those are {names}); hyper-parameters "
+                "such as lr belong to the optimizer being offloaded"
+            )
+        return cls(**settings)
 
     @property
     def host_bytes(self) -> int | None:

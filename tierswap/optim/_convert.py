@@ -7,28 +7,21 @@ from typing import Any
 
 import torch
 
-from tierswap.optim._config import SwapConfig
-from tierswap.optim.optimizer import SwapOptimizer, _check_class
+from tierswap.optim.optimizer import SwapOptimizer
 
 __all__ = ["find_swap_optimizer", "offload", "swapped"]
 
 
 def offload(optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
-    """Turn an existing optimizer into a :class:`SwapOptimizer`.
+    """Turn an existing optimizer into a :class:`SwapOptimizer`
+    (:meth:`SwapOptimizer.from_optimizer`).
 
     Keeps its class, param groups, hyper-parameters and any state it already holds; the state
     moves into the swap space and the original optimizer must not be stepped again.
     ``swap_kwargs`` are :class:`SwapOptimizer`'s keywords (``swap_dir``, ``host_budget``, ...).
+    Anything but a torch optimizer raises ``tierswap.errors.ConfigError`` (a ``TypeError``).
     """
-    if isinstance(optimizer, SwapOptimizer):
-        raise TypeError("optimizer is already a SwapOptimizer")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _check_class(type(optimizer))
-    config = SwapConfig(**swap_kwargs)
-    swap = SwapOptimizer.__new__(SwapOptimizer)
-    swap._setup(optimizer, config)  # moves the optimizer's state into the swap space
-    return swap
+    return SwapOptimizer.from_optimizer(optimizer, **swap_kwargs)
 
 
 def swapped(optimizer_class: type[torch.optim.Optimizer]) -> type[SwapOptimizer]:

@@ -10,24 +10,29 @@ backward), so the state read first in ``step()`` is the state whose gradients ar
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+import math
+from collections.abc import Sequence
 
 import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
+from tierswap.optim._probe import StateShapes
 
 __all__ = [
+    "WHOLE_TEMPORARIES",
     "Segment",
     "Slice",
     "Slot",
     "check_budget",
-    "check_elementwise",
     "master_dtype",
     "plan_slices",
-    "probe_state_itemsizes",
 ]
+
+#: Transient bytes of stepping a whole parameter, in multiples of its fp32 size: Muon's
+#: Newton-Schulz holds the nesterov update (fp32), bf16 copies of the matrix and square
+#: products of its smaller side, about five fp32 copies in all; Adafactor needs fewer.
+WHOLE_TEMPORARIES = 5
 
 #: Low-precision parameter dtypes that get an fp32 master copy.
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -56,6 +61,8 @@ class Slot:
     of a low-precision parameter, or a host copy of a parameter that lives on another device).
     ``state_itemsizes`` lists the element size of each per-element state tensor, probed from the
     optimizer class (``[4, 4]`` for AdamW's ``exp_avg`` and ``exp_avg_sq`` in fp32).
+    ``whole_state`` is set for a parameter that must step whole (its optimizer's math spans the
+    parameter, as Muon's and Adafactor's do): its state tensors' shapes and element sizes.
     """
 
     index: int
@@ -65,6 +72,12 @@ class Slot:
     state_itemsizes: tuple[int, ...]
     name: str | None = None  # the parameter's name, when the optimizer was given names
     key: str = ""  # the key segment of its arrays; "" means positional, ``p<index>``
+    whole_state: StateShapes | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Slices hold this parameter whole: they never cut it."""
+        return self.whole_state is not None
 
     @property
     def local(self) -> torch.Tensor:
@@ -87,6 +100,8 @@ class Slot:
     @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
+        if self.whole_state is not None:
+            return sum(_footprint(math.prod(s) * size) for s, size in self.whole_state.values())
         numel = self.local.numel()
         return sum(_footprint(numel * size) for size in self.state_itemsizes)
 
@@ -117,26 +132,6 @@ def _footprint(nbytes: int) -> int:
     return max(round_up(nbytes, ALIGN), ALIGN)
 
 
-def probe_state_itemsizes(
-    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> tuple[int, ...]:
-    """Element sizes of the per-element state tensors this group keeps for a ``dtype`` param.
-
-    Steps a throw-away two-element parameter once with the group's hyper-parameters and lists
-    the item sizes of the state tensors shaped like it (``exp_avg``, ``momentum_buffer``, ...).
-    Scalars such as ``step`` are ignored: they stay in RAM.
-    """
-    hyper = _probe_hyper(group)
-    probe = torch.zeros(2, dtype=dtype, requires_grad=True)
-    probe.grad = torch.zeros_like(probe)
-    inner = _make(optimizer_class, [{"params": [probe], **hyper}])
-    inner.step()
-    state = inner.state.get(probe, {})
-    return tuple(
-        v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == probe.shape
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Elements ``[start, stop)`` of one slot's flattened (local) parameter."""
@@ -156,6 +151,9 @@ class Segment:
         numel = self.numel
         if numel == 0:  # e.g. an empty FSDP shard: stepped for its counters, no buffers
             return 0
+        if self.slot.whole:
+            master = 2 * self.slot.master_bytes  # master, gradient cast
+            return self.slot.state_bytes + master + _footprint(numel * 4) * WHOLE_TEMPORARIES
         sizes = list(self.slot.state_itemsizes)
         if self.slot.has_master:
             sizes += [master_dtype(self.slot.param).itemsize] * 2  # master, gradient cast
@@ -187,12 +185,25 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
 
     A parameter splits only at multiples of ``chunk_bytes`` in every one of its stored arrays,
     so each slice is a run of whole chunks on disk (read and written without touching its
-    neighbours). A single such unit larger than the target gets a slice of its own.
+    neighbours). A single such unit larger than the target gets a slice of its own. A
+    ``whole`` parameter is never cut: it joins the current slice when it fits there, else it
+    starts a new one.
     """
     slices: list[Slice] = []
     current: list[Segment] = []
     room = target_bytes
     for slot in slots:
+        if slot.whole:
+            segment = Segment(slot, 0, slot.local.numel())
+            if current and segment.working_set > room:
+                slices.append(Slice(len(slices), current))
+                current, room = [], target_bytes
+            current.append(segment)
+            room -= segment.working_set
+            if room <= 0:
+                slices.append(Slice(len(slices), current))
+                current, room = [], target_bytes
+            continue
         numel, per_element = slot.local.numel(), max(slot.bytes_per_element, 1)
         unit = max(chunk_bytes // slot.min_itemsize, 1)
         position = 0
@@ -219,66 +230,24 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
     return slices
 
 
-def check_elementwise(
-    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> None:
-    """Raise :class:`ConfigError` unless stepping flat pieces of a parameter is bitwise equal to
-    stepping it whole with ``optimizer_class`` (true of every optimizer whose math is per
-    element; not of factored or matrix ones such as Adafactor or Muon)."""
-    hyper = _probe_hyper(group)
-    gen = torch.Generator().manual_seed(0)
-    whole = torch.randn(8, 16, generator=gen).to(dtype)
-    grads = [torch.randn(8, 16, generator=gen).to(dtype) for _ in range(2)]
-    pieces = whole.clone()
-    flat = pieces.view(-1)
-    try:
-        ref = _make(optimizer_class, [{"params": [whole], **hyper}])
-        split = _make(optimizer_class, [{"params": [flat[:64], flat[64:]], **hyper}])
-        for grad in grads:
-            whole.grad = grad.clone()
-            flat_grad = grad.reshape(-1)
-            for piece, start in zip(split.param_groups[0]["params"], (0, 64), strict=True):
-                piece.grad = flat_grad[start : start + 64].clone()
-            ref.step()
-            split.step()
-        same = torch.equal(whole, pieces)
-    except Exception as exc:  # e.g. an optimizer that needs 2-D parameters
-        raise ConfigError(
-            f"{optimizer_class.__name__} cannot step slices of a parameter ({exc}); tierswap "
-            "swaps optimizers whose math is per element (AdamW, SGD, Adagrad, ...)"
-        ) from exc
-    if not same:
-        raise ConfigError(
-            f"{optimizer_class.__name__} does not give the same result on slices of a parameter "
-            "as on the whole parameter (its math is not per element, e.g. factored statistics); "
-            "tierswap swaps optimizers with per-element state (AdamW, SGD, Adagrad, ...)"
-        )
-
-
-def _probe_hyper(group: dict[str, Any]) -> dict[str, Any]:
-    hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-    for key in ("foreach", "fused", "capturable"):  # the probes run on the CPU, plainly
-        hyper.pop(key, None)
-    if isinstance(hyper.get("lr"), torch.Tensor):
-        hyper["lr"] = float(hyper["lr"])
-    return hyper
-
-
 def check_budget(slices: Sequence[Slice], budget: int, name: str) -> None:
-    """Raise :class:`ConfigError` when one slice's working set exceeds ``budget``."""
+    """Raise :class:`ConfigError` when one slice's working set exceeds ``budget``; a parameter
+    that steps whole and does not fit on its own is named."""
     largest = max((s.working_set for s in slices), default=0)
-    if largest > budget:
+    if largest <= budget:
+        return
+    whole = [seg for piece in slices for seg in piece.segments if seg.slot.whole]
+    too_big = max(whole, key=lambda seg: seg.working_set, default=None)
+    if too_big is not None and too_big.working_set > budget:
+        slot, need = too_big.slot, too_big.working_set
         raise ConfigError(
-            f"{name}={format_size(budget)} ({budget} bytes) is below the working set of the "
-            f"largest slice; the minimum is {format_size(largest)} ({largest} bytes): "
-            f"raise {name} to at least {largest}"
+            f"{name}={format_size(budget)} ({budget} bytes) cannot hold parameter "
+            f"{slot.name or slot.prefix!r} of shape {tuple(slot.local.shape)}, which its "
+            f"optimizer steps whole; for its state, gradient and the step's temporaries the "
+            f"minimum is {format_size(need)} ({need} bytes): raise {name} to at least {need}"
         )
-
-
-def _make(
-    optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]
-) -> torch.optim.Optimizer:
-    """``optimizer_class(groups)``: subclasses give every hyper-parameter a default, which the
-    base class's ``(params, defaults)`` signature does not say."""
-    factory: Callable[..., torch.optim.Optimizer] = optimizer_class
-    return factory(groups)
+    raise ConfigError(
+        f"{name}={format_size(budget)} ({budget} bytes) is below the working set of the "
+        f"largest slice; the minimum is {format_size(largest)} ({largest} bytes): "
+        f"raise {name} to at least {largest}"
+    )

@@ -1,26 +1,29 @@
 """Stepping one slice: the work stage of the optimizer's pipeline.
 
-The inner torch optimizer is pointed at flat views of the slice's segments: the fp32 master
-region read from the store, or the parameter's own memory when it needs no master. Its state
-tensors are the regions read for the slice. torch's own kernel (for-loop, foreach or fused) then
-runs exactly as it would on whole parameters: every supported optimizer's math is per element
-(checked by :func:`~tierswap.optim._partition.check_elementwise`), so the result is bitwise the
-same. Everything the step needs comes in as arguments; nothing here reads the optimizer's members.
+The inner torch optimizer of each segment's param group is pointed at flat views of the slice's
+segments: the fp32 master region read from the store, or the parameter's own memory when it
+needs no master. Its state tensors are the regions read for the slice. torch's own kernel
+(for-loop, foreach or fused) then runs exactly as it would on whole parameters: the math of a
+cut parameter's optimizer is per element, and a parameter whose optimizer's math spans it
+(Muon, Adafactor) is stepped whole, viewed in its own shape (both checked by
+:mod:`~tierswap.optim._probe`), so the result is bitwise the same. Everything the step needs
+comes in as arguments; nothing here reads the optimizer's members.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tierswap.optim._partition import Segment, Slice, local_tensor
+from tierswap.optim._partition import Segment, Slice, Slot, local_tensor
 from tierswap.pipeline import Region
 
-__all__ = ["StepPlan", "clone_small", "flat", "slice_reads", "step_slice"]
+__all__ = ["StepPlan", "clone_small", "flat", "slice_reads", "state_region", "step_slice"]
 
 
 @dataclasses.dataclass
@@ -29,9 +32,10 @@ class StepPlan:
 
     ``small_after`` is filled in: the scalar state (``step`` counters, ...) of each stepped slot.
     ``create`` makes a stored array for state that the step created (first step only).
+    ``inners`` holds the torch optimizer that steps each param group (by group index).
     """
 
-    inner: torch.optim.Optimizer
+    inners: list[torch.optim.Optimizer]
     groups: list[dict[str, Any]]
     live: set[int]
     fresh: set[int]
@@ -53,7 +57,7 @@ def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
-        reads += [_region(f"{slot.prefix}/{name}", seg) for name in state_names.get(slot.index, [])]
+        reads += [state_region(seg, name) for name in state_names.get(slot.index, [])]
         if slot.has_master:
             reads.append(_region(slot.master_key, seg))
     return tuple(reads)
@@ -71,13 +75,15 @@ def step_slice(
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for seg, target in zip(segments, targets, strict=True):
         state[target] = _state_of(plan, seg, tensors, on_device)
-    inner = plan.inner
-    saved_groups = inner.param_groups
-    inner.state, inner.param_groups = state, _groups_for(plan.groups, segments, targets)
-    try:
-        inner.step()
-    finally:
-        inner.param_groups, inner.state = saved_groups, defaultdict(dict)
+    for inner in {
+        id(plan.inners[seg.slot.group]): plan.inners[seg.slot.group] for seg in segments
+    }.values():
+        mine = [i for i, seg in enumerate(segments) if plan.inners[seg.slot.group] is inner]
+        _step_inner(
+            inner,
+            _groups_for(plan.groups, [segments[i] for i in mine], [targets[i] for i in mine]),
+            {targets[i]: state[targets[i]] for i in mine},
+        )
     writes: dict[Region, torch.Tensor] = {}
     for seg, target in zip(segments, targets, strict=True):
         writes.update(
@@ -89,20 +95,55 @@ def step_slice(
     return writes
 
 
+def _step_inner(
+    inner: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    state: dict[torch.Tensor, dict[str, Any]],
+) -> None:
+    """One ``inner.step()`` over ``groups`` with ``state`` (updated in place by torch)."""
+    saved_groups = inner.param_groups
+    inner.state, inner.param_groups = defaultdict(dict, state), groups
+    try:
+        inner.step()
+        state.update(inner.state)
+    finally:
+        inner.param_groups, inner.state = saved_groups, defaultdict(dict)
+
+
 def _region(key: str, seg: Segment) -> Region:
     return Region(key, seg.start, seg.stop)
+
+
+def state_region(seg: Segment, name: str) -> Region:
+    """The stored region of state ``name`` that ``seg`` steps: its own elements of per-element
+    state, or the whole tensor (of the state's own shape) for a parameter stepped whole."""
+    slot, key = seg.slot, f"{seg.slot.prefix}/{name}"
+    if slot.whole_state is not None and name in slot.whole_state:
+        shape, _ = slot.whole_state[name]
+        return Region(key, 0, math.prod(shape))
+    return _region(key, seg)
+
+
+def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """``tensor`` (flat) in the shape the optimizer sees: the parameter's or the state's own
+    for a parameter stepped whole; flat for a cut one."""
+    if slot.whole_state is None:
+        return tensor
+    if name is None:
+        return tensor.view(slot.local.shape)
+    return tensor.view(slot.whole_state[name][0]) if name in slot.whole_state else tensor
 
 
 def _target(seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
     assert slot.param.grad is not None  # plan.live holds only slots whose gradient is final
-    grad = local_tensor(slot.param.grad).reshape(-1)[seg.start : seg.stop]
+    grad = _shaped(slot, local_tensor(slot.param.grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
-        target = on_device.take(tensors[_region(slot.master_key, seg)])
+        target = _shaped(slot, on_device.take(tensors[_region(slot.master_key, seg)]))
         target.grad = grad.to(target.device, target.dtype)
     else:
-        target = flat(slot.param)[seg.start : seg.stop]
+        target = _shaped(slot, flat(slot.param)[seg.start : seg.stop])
         target.grad = grad
     return target
 
@@ -115,7 +156,7 @@ def _state_of(
         return {}  # torch creates the state, as for a parameter it has never stepped
     state = clone_small(plan.small_before.get(slot.index, {}))
     for name in plan.state_names.get(slot.index, []):
-        state[name] = on_device.take(tensors[_region(f"{slot.prefix}/{name}", seg)])
+        state[name] = _shaped(slot, on_device.take(tensors[state_region(seg, name)]), name)
     return state
 
 
@@ -147,19 +188,20 @@ def _collect(
         if not (torch.is_tensor(value) and value.dim() > 0):
             small[name] = value
             continue
-        region = _region(f"{slot.prefix}/{name}", seg)
+        region = state_region(seg, name)
         if name not in names:  # created by this first step
-            plan.create(f"{slot.prefix}/{name}", tuple(slot.local.shape), value.dtype)
+            shape = value.shape if slot.whole else slot.local.shape
+            plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype)
             names.append(name)
         writes[region] = on_device.give(value, tensors.get(region))
     plan.small_after[slot.index] = small
     target.grad = None
     if slot.has_master:
-        flat(slot.param)[seg.start : seg.stop].copy_(target)
+        flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         region = _region(slot.master_key, seg)
         writes[region] = on_device.give(target, tensors[region])
     elif plan.write_params:
-        writes[_region(slot.param_key, seg)] = target
+        writes[_region(slot.param_key, seg)] = target.view(-1)
     return writes
 
 

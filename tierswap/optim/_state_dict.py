@@ -272,9 +272,14 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
         if state:
             optimizer.state[slot.param] = state
     try:
-        return torch.optim.Optimizer.state_dict(optimizer)
+        result = torch.optim.Optimizer.state_dict(optimizer)
     finally:
         optimizer.state.clear()
+    for group in result["param_groups"]:  # a class name, loadable with weights_only=True
+        if isinstance(group.get("optimizer_class"), type):
+            named = group["optimizer_class"]
+            group["optimizer_class"] = f"{named.__module__}.{named.__qualname__}"
+    return result
 
 
 def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -296,7 +301,6 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
     Master weights are not part of torch's format: they are refreshed from the model params.
     All or nothing: when a write fails (disk full, ...) the optimizer is left as it was.
     """
-    inner = optimizer._inner
     optimizer._backend.pipeline.evict()
     targets = [_load_target(optimizer, s) for s in optimizer._slots]
     position = 0
@@ -305,16 +309,50 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
         count = len(group["params"])
         groups.append({**group, "params": targets[position : position + count]})
         position += count
+    saved_groups = saved.get("param_groups", [])
+    if len(saved_groups) != len(groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    loaded_state: dict[torch.Tensor, Any] = {}
+    loaded_groups: list[dict[str, Any]] = [{} for _ in groups]
+    for inner, members in _groups_by_inner(optimizer._inners):
+        ids = {i for m in members for i in saved_groups[m]["params"]}
+        part = {
+            "state": {k: v for k, v in saved.get("state", {}).items() if k in ids},
+            "param_groups": [saved_groups[m] for m in members],
+        }
+        state, loaded = _load_into(inner, [groups[m] for m in members], part)
+        loaded_state.update(state)
+        for m, group in zip(members, loaded, strict=True):
+            loaded_groups[m] = group
+    states = [loaded_state.get(target, {}) for target in targets]
+    _replace_states(optimizer, list(zip(optimizer._slots, states, strict=True)))
+    for group, restored in zip(optimizer.param_groups, loaded_groups, strict=True):
+        group.update(_hyper(restored))
+
+
+def _groups_by_inner(
+    inners: list[torch.optim.Optimizer],
+) -> list[tuple[torch.optim.Optimizer, list[int]]]:
+    """The param groups (by index) each torch optimizer steps: one class may load (and cast)
+    only the state of its own groups."""
+    by_inner: dict[int, tuple[torch.optim.Optimizer, list[int]]] = {}
+    for index, inner in enumerate(inners):
+        by_inner.setdefault(id(inner), (inner, []))[1].append(index)
+    return list(by_inner.values())
+
+
+def _load_into(
+    inner: torch.optim.Optimizer, groups: list[dict[str, Any]], saved: dict[str, Any]
+) -> tuple[dict[torch.Tensor, Any], list[dict[str, Any]]]:
+    """``inner.load_state_dict(saved)`` onto ``groups``; the loaded state and groups, with
+    ``inner`` left as it was."""
+    own_groups = inner.param_groups
     inner.param_groups, inner.state = groups, defaultdict(dict)
     try:
         inner.load_state_dict(saved)
-        loaded_state, loaded_groups = inner.state, inner.param_groups
+        return dict(inner.state), inner.param_groups
     finally:
-        inner.param_groups, inner.state = optimizer._inner_groups, defaultdict(dict)
-    states = [loaded_state.get(target, {}) for target in targets]
-    _replace_states(optimizer, list(zip(optimizer._slots, states, strict=True)))
-    for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
-        group.update(_hyper(loaded))
+        inner.param_groups, inner.state = own_groups, defaultdict(dict)
 
 
 def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:

@@ -6,8 +6,9 @@ several, small ones share one). Each ``step()`` runs the slices through the stor
 :class:`~tierswap.pipeline.Pipeline`: the next slices' state is read while the current one steps
 (torch's own kernel, on flat views) and the previous ones are written back, each byte read once
 and written once. A prefix of the slices that fits in the host budget beside the pipeline's
-buffers stays resident. Per-element math is independent across elements in every optimizer this
-accepts (checked at construction), so stepping in slices is bitwise equal to stepping all at once.
+buffers stays resident. Per-element math is independent across elements, and a parameter whose
+optimizer's math spans it (Muon, Adafactor) is never cut (both checked at construction), so
+stepping in slices is bitwise equal to stepping all at once.
 """
 
 from __future__ import annotations
@@ -32,16 +33,20 @@ from tierswap.optim._partition import (
     Slice,
     Slot,
     check_budget,
-    check_elementwise,
     local_tensor,
     master_dtype,
     plan_slices,
+)
+from tierswap.optim._probe import (
+    StateShapes,
+    may_slice,
     probe_state_itemsizes,
+    probe_whole_state,
 )
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
-from tierswap.store._snapshot import Progress, SnapshotResult
+from tierswap.store import Progress, SnapshotResult
 from tierswap.tiers import DEVICE, HOST
 
 __all__ = ["SwapOptimizer"]
@@ -62,11 +67,14 @@ class SwapOptimizer(torch.optim.Optimizer):
     Parameters
     ----------
     params:
-        Parameters or param groups, as for any torch optimizer.
+        Parameters or param groups, as for any torch optimizer. A param group may name its own
+        ``"optimizer_class"`` (e.g. ``torch.optim.Muon`` for hidden matrices beside AdamW); it
+        takes its hyper-parameters from itself, then from that class's defaults.
     optimizer_class:
-        The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Adagrad``, ...); any whose
-        math is per element (checked at construction: factored or matrix optimizers such as
-        Adafactor are refused with ``ConfigError``).
+        The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Muon``, ``Adafactor``,
+        ...). Per-element ones are stepped in slices that may cut parameters; those whose math
+        spans a parameter (Muon, Adafactor) step whole parameters; one that mixes parameters
+        raises ``ConfigError`` (all checked at construction).
     swap_dir:
         Folder of the swap store. ``None``: a temporary folder removed by :meth:`close`.
         Under ``torch.distributed`` each rank uses ``swap_dir/rank-<r>``.
@@ -83,9 +91,10 @@ class SwapOptimizer(torch.optim.Optimizer):
     durable:
         Passed to the store: ``False`` writes in place, faster but not crash-safe.
     commit_every:
-        Commit the swap folder atomically every this many steps (0: only on :meth:`commit`).
-        The default 1 costs little: the parameters a commit needs are written with their
-        slices, and chunk files are recycled (see ``docs/optimizer.md``).
+        Commit the swap folder atomically every this many steps (0: only on :meth:`commit`);
+        :meth:`close` commits the steps since the last commit. The default 1 costs little:
+        the parameters a commit needs are written with their slices, and chunk files are
+        recycled (see ``docs/optimizer.md``).
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
@@ -99,6 +108,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         cannot honour global gradient clipping or ``GradScaler``: the step happens before they
         could run. The default (``None``) starts the slices' reads in those hooks and steps in
         :meth:`step`.
+    accumulation_steps:
+        Backward passes per optimizer step (gradient accumulation), for ``overlap="backward"``:
+        a parameter's gradient is final at every ``accumulation_steps``-th backward pass.
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -121,11 +133,34 @@ class SwapOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
-            swap_dir, host_budget, device_budget, policy, durable, commit_every, resume, overlap,
-            accumulation_steps, resume_from=resume_from,
+            swap_dir=swap_dir, host_budget=host_budget, device_budget=device_budget,
+            policy=policy, durable=durable, commit_every=commit_every, resume=resume,
+            overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
         )  # fmt: skip
         _check_class(optimizer_class)
-        self._setup(optimizer_class(params, **optimizer_kwargs), config)
+        self._setup(optimizer_class(_own_defaults(params), **optimizer_kwargs), config)
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
+        """A SwapOptimizer that takes over ``optimizer`` (what :func:`tierswap.offload` does).
+
+        Keeps its class, param groups, hyper-parameters and any state it already holds; the
+        state moves into the swap space, and ``optimizer`` must not be stepped again.
+        ``swap_kwargs`` are the keywords of the constructor (``swap_dir``, ``host_budget``,
+        ...). Raises ``ConfigError`` (also a ``TypeError``) for anything but a torch optimizer
+        that is not already a SwapOptimizer, and for any other class the constructor refuses.
+        """
+        if isinstance(optimizer, SwapOptimizer):
+            raise ConfigError("the optimizer is already a SwapOptimizer; use it as it is")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        _check_class(type(optimizer))
+        config = SwapConfig.from_keywords(**swap_kwargs)
+        swap = cls.__new__(cls)  # the alternate constructor: the inner optimizer exists
+        swap._setup(optimizer, config)
+        return swap
 
     # -- construction ---------------------------------------------------------------------
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
@@ -145,10 +180,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = _state_dict.SwappedState(self)  # true when the swap space holds state
         self._inner_groups = inner.param_groups
         self._slots: list[Slot] = []
+        self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
         self._small: dict[int, dict[str, Any]] = defaultdict(dict)
         self._state_names: dict[int, list[str]] = defaultdict(list)
         self._steps = 0
         self._stepped: set[int] = set()  # slices stepped in backward hooks this step
+        self._step_failed = False  # a step raised halfway: the state is not a step's end
         self._params_written: set[int] = set()  # params the last step wrote to the store
         self._plan_of_step: StepPlan | None = None
         self.tier = DEVICE if config.device_bytes > 0 else HOST
@@ -189,23 +226,43 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _add_slots(self, group: dict[str, Any]) -> None:
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        probes: dict[torch.dtype, tuple[int, ...]] = {}
+        optimizer_class = group.get("optimizer_class", type(self._inner))
+        _check_class(optimizer_class)
+        self._inners.append(self._inner_of(optimizer_class))
+        probes: dict[torch.dtype, tuple[bool, tuple[int, ...]]] = {}
         names = group.get("param_names") or [None] * len(group["params"])
         for param, name in zip(group["params"], names, strict=True):
             dtype = master_dtype(param)
             if dtype not in probes:
-                probes[dtype] = _probe(self._inner, group, dtype)
+                probes[dtype] = _probe(optimizer_class, group, dtype)
             if not local_tensor(param).is_contiguous():
                 raise ConfigError(
                     f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
                     "steps flat slices of parameters: call .contiguous() on it before training"
                 )
+            cut, itemsizes = probes[dtype]
+            whole = None if cut else _whole_state(optimizer_class, group, param, name)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             key = key_prefix(name) if name is not None else ""
             self._slots.append(
-                Slot(len(self._slots), param, group_index, has_master, probes[dtype], name, key)
-            )
+                Slot(
+                    len(self._slots), param, group_index, has_master, itemsizes, name, key,
+                    whole_state=whole,
+                )
+            )  # fmt: skip
         check_unique([slot.prefix for slot in self._slots])
+
+    def _inner_of(self, optimizer_class: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """The torch optimizer that steps groups of ``optimizer_class``: the inner one, or one
+        made for a param group that names another class (its own groups are never used)."""
+        if optimizer_class is type(self._inner):
+            return self._inner
+        for inner in self._inners:
+            if type(inner) is optimizer_class:
+                return inner
+        dummy = torch.zeros(2, 2, requires_grad=True)
+        made: torch.optim.Optimizer = optimizer_class([dummy])  # type: ignore[call-arg]
+        return made
 
     def _plan(self) -> int:
         """Cut the slots into slices, choose the resident prefix, check the budgets.
@@ -290,6 +347,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._plan()
         except ConfigError:  # the new group does not fit the budget: leave things as they were
             del self._slots[count:]
+            del self._inners[len(self.param_groups) - 1 :]
             self.param_groups.pop()
             self._plan()
             raise
@@ -373,7 +431,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             plan = self._plan_of_step = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
         jobs = [self._job(piece) for piece in pieces]
-        self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
+        try:
+            self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
+        except BaseException:
+            self._step_failed = True  # some slices may have stepped: close() must not commit
+            raise
         self._stepped.update(piece.index for piece in pieces)
 
     def _new_plan(self) -> StepPlan:
@@ -384,7 +446,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             and not self._small.get(s.index)
         }  # fmt: skip
         return StepPlan(
-            inner=self._inner,
+            inners=self._inners,
             groups=self.param_groups,
             live=set(),
             fresh=fresh,
@@ -490,10 +552,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         return self._backend.stats(self.host_budget, self._config.device_bytes)
 
     def close(self) -> None:
-        """Release hooks, pipeline and store; a temporary swap folder is removed."""
+        """Commit the steps taken since the last commit, then release hooks, pipeline and store.
+
+        The final commit happens only where a resume can use it: a durable store in a
+        ``swap_dir`` of yours (not a temporary folder, not ``durable=False``), after complete
+        steps. After a failed step, or when the commit fails, it warns (``RuntimeWarning``)
+        and the folder keeps its last commit. A temporary swap folder is removed.
+        """
         _hooks.remove(getattr(self, "_hook_handles", []))
         self._hook_handles = []
-        self._finalizer()
+        try:
+            _state_dict.final_commit(self)
+        finally:  # the lock and the store are released even when the commit fails
+            self._finalizer()
 
     def __enter__(self) -> SwapOptimizer:
         return self
@@ -552,15 +623,58 @@ def _check_class(optimizer_class: Any) -> None:
         )
 
 
+def _own_defaults(params: Iterable[Any]) -> list[Any]:
+    """``params`` with each param group that names its ``optimizer_class`` completed by that
+    class's own defaults (Muon's ``lr``, ``momentum``, ...), before the main class fills in what
+    is still missing: a group takes its hyper-parameters from itself, then from its class."""
+    items = list(params)
+    for position, item in enumerate(items):
+        if isinstance(item, dict) and "optimizer_class" in item:
+            group_class = item["optimizer_class"]
+            _check_class(group_class)
+            own = {k: v for k, v in item.items() if k != "optimizer_class"}
+            filled = group_class([own]).param_groups[0]
+            items[position] = {**filled, "optimizer_class": group_class}
+    return items
+
+
 def _probe(
-    inner: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype
-) -> tuple[int, ...]:
-    check_elementwise(type(inner), group, dtype)
+    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
+) -> tuple[bool, tuple[int, ...]]:
+    """Whether slices may cut this group's ``dtype`` parameters, and their per-element state's
+    element sizes (none for parameters stepped whole: :func:`_whole_state` sizes those)."""
+    if not may_slice(optimizer_class, group, dtype):
+        return False, ()
     try:
-        return probe_state_itemsizes(type(inner), group, dtype)
+        return True, probe_state_itemsizes(optimizer_class, group, dtype)
     except Exception as exc:
         raise ConfigError(
-            f"cannot size the state of {type(inner).__name__} for {dtype} parameters: {exc}"
+            f"cannot size the state of {optimizer_class.__name__} for {dtype} parameters: {exc}"
+        ) from exc
+
+
+def _whole_state(
+    optimizer_class: type[torch.optim.Optimizer],
+    group: dict[str, Any],
+    param: torch.Tensor,
+    name: str | None,
+) -> StateShapes:
+    """The state of ``param``, which ``optimizer_class`` steps whole (Muon, Adafactor)."""
+    label = name or f"of shape {tuple(param.shape)}"
+    if local_tensor(param) is not param:
+        raise ConfigError(
+            f"parameter {label} is a sharded DTensor, but {optimizer_class.__name__} steps each "
+            "parameter whole (its math spans the matrix) and a rank holds only its shard; use "
+            "it with DDP / ZeroRedundancyOptimizer (whole parameters per rank), or give sharded "
+            "parameters a per-element optimizer such as AdamW"
+        )
+    try:
+        return probe_whole_state(optimizer_class, group, master_dtype(param), tuple(param.shape))
+    except ConfigError:
+        raise
+    except Exception as exc:  # e.g. Muon given a 1-D parameter
+        raise ConfigError(
+            f"{optimizer_class.__name__} cannot step parameter {label}: {exc}"
         ) from exc
 
 
