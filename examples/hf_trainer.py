@@ -50,6 +50,18 @@ def make_model(
     return GPT2LMHeadModel(config)
 
 
+def muon_groups(model: torch.nn.Module) -> list[dict]:
+    """Muon for the 2-D weights inside the transformer blocks, AdamW for the rest."""
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if ".h." in n and p.dim() == 2]
+    rest = [(n, p) for n, p in named if not (".h." in n and p.dim() == 2)]
+    return [
+        {"params": [p for _, p in hidden], "param_names": [n for n, _ in hidden],
+         "optimizer_class": torch.optim.Muon, "lr": 0.02},
+        {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]},
+    ]  # fmt: skip
+
+
 def train(
     swap_dir: str | Path | None,
     *,
@@ -60,18 +72,21 @@ def train(
     save_steps: int = 0,
     save_total_limit: int | None = None,
     resume: str | Path | None = None,
+    muon: bool = False,
 ) -> tuple[Trainer, GPT2LMHeadModel]:
     """Train with a SwapOptimizer, or with plain AdamW when ``swap_dir`` is ``None``.
 
     ``save_steps`` > 0 saves a checkpoint every that many steps (keeping ``save_total_limit``);
-    ``resume`` is a checkpoint folder to resume from.
+    ``resume`` is a checkpoint folder to resume from. ``muon`` steps the blocks' matrices with
+    torch.optim.Muon and the rest with AdamW, in the one optimizer the Trainer takes.
     """
     model = make_model(**(model_kwargs or {}))
     dataset = RandomTokens(64, model.config.n_positions, model.config.vocab_size)
     if swap_dir is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        opt = ts.SwapOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3,
+        params = muon_groups(model) if muon else model.named_parameters()
+        opt = ts.SwapOptimizer(params, torch.optim.AdamW, lr=1e-3,
                                swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
@@ -97,10 +112,12 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    parser.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices")
     args = parser.parse_args()
     trainer, _ = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,
                        host_budget=args.host_budget, save_steps=args.save_steps,
-                       save_total_limit=args.save_total_limit, resume=args.resume)  # fmt: skip
+                       save_total_limit=args.save_total_limit, resume=args.resume,
+                       muon=args.muon)  # fmt: skip
     last = trainer.state.log_history[-2]  # the last training-step entry (the final is a summary)
     print({k: v for k, v in last.items() if k.startswith(("loss", "tierswap/"))})
     ts_opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -24,13 +25,15 @@ from tierswap.integrations.lightning import TierswapCheckpoints
 class Regressor(pl.LightningModule):
     """A small MLP; ``swap_dir=None`` trains it with plain AdamW."""
 
-    def __init__(self, swap_dir: str | Path | None, host_budget: str = "64KiB") -> None:
+    def __init__(
+        self, swap_dir: str | Path | None, host_budget: str = "64KiB", muon: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(
             torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
         )
-        self.swap_dir, self.host_budget = swap_dir, host_budget
+        self.swap_dir, self.host_budget, self.muon = swap_dir, host_budget, muon
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
         x, y = batch
@@ -39,7 +42,17 @@ class Regressor(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.swap_dir is None:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return ts.SwapOptimizer(self.named_parameters(), torch.optim.AdamW, lr=1e-2,
+        params: Any = self.named_parameters()
+        if self.muon:  # Muon for the matrices, AdamW for the biases: one optimizer
+            named = list(params)
+            matrices = [(n, p) for n, p in named if p.dim() == 2]
+            params = [
+                {"params": [p for _, p in matrices], "param_names": [n for n, _ in matrices],
+                 "optimizer_class": torch.optim.Muon, "lr": 0.02},
+                {"params": [p for n, p in named if p.dim() != 2],
+                 "param_names": [n for n, p in named if p.dim() != 2]},
+            ]  # fmt: skip
+        return ts.SwapOptimizer(params, torch.optim.AdamW, lr=1e-2,
                                 swap_dir=self.swap_dir, host_budget=self.host_budget)  # fmt: skip
 
 
@@ -58,13 +71,14 @@ def train(
     save_every: int = 0,
     save_top_k: int = -1,
     resume: str | Path | None = None,
+    muon: bool = False,
 ) -> Regressor:
     """Train for ``steps`` steps, checkpointing every ``save_every`` steps.
 
     An epoch is ``save_every`` steps, so every checkpoint falls at an epoch's end: Lightning
     resumes a plain (non-stateful) DataLoader exactly only there.
     """
-    model = Regressor(swap_dir)
+    model = Regressor(swap_dir, host_budget="256KiB" if muon else "64KiB", muon=muon)
     callbacks: list[pl.Callback] = [TierswapCheckpoints()]  # the one line tierswap needs
     if save_every:
         every = ModelCheckpoint(

@@ -138,3 +138,23 @@ def test_find_swap_optimizer_stays_importable_from_the_hf_module() -> None:
     import tierswap.optim
 
     assert find_swap_optimizer is tierswap.optim.find_swap_optimizer
+
+
+def test_muon_recipe_checkpoints_and_resumes_bit_exact(tmp_path, no_gathering) -> None:
+    """Muon for the blocks' matrices beside AdamW, one optimizer as the Trainer takes."""
+    example = _example()
+    run = {"steps": 4, "host_budget": "1MiB", "model_kwargs": TINY, "muon": True, "save_steps": 2}
+    full, full_model = example.train(tmp_path / "swap", output_dir=tmp_path / "out", **run)
+    opt = find_swap_optimizer(full.optimizer)
+    assert opt.param_groups[0]["optimizer_class"] is torch.optim.Muon
+    assert len(opt.slices) > 1
+    opt.close()
+    resumed, resumed_model = example.train(
+        tmp_path / "swap2", output_dir=tmp_path / "out",
+        resume=tmp_path / "out" / "checkpoint-2", **run,
+    )  # fmt: skip
+    resumed_opt = find_swap_optimizer(resumed.optimizer)
+    assert resumed_opt.steps == 4
+    resumed_opt.close()
+    for a, b in zip(full_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)

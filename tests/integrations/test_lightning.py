@@ -79,3 +79,16 @@ def test_a_snapshot_saved_across_filesystems_is_copied_beside_the_file(
     opt.load_state_dict(loaded)  # resumes from the copy
     assert opt.steps == 1
     opt.close()
+
+
+@pytest.mark.usefixtures("no_gathering")
+def test_muon_recipe_resumes_bit_exact(tmp_path) -> None:
+    """Muon for the matrices and AdamW for the biases, in the one optimizer Lightning takes."""
+    example = _example()
+    run = {"steps": 6, "save_every": 2, "muon": True}
+    full = example.train(tmp_path / "swap", output_dir=tmp_path / "out", **run)
+    resumed = example.train(
+        tmp_path / "swap2", output_dir=tmp_path / "o2", resume=tmp_path / "out" / "step=4.ckpt",
+        **run,
+    )  # fmt: skip
+    assert_same_params(full, resumed)
