@@ -75,7 +75,7 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
             before = opt.tier_stats()["nvme"]
             start = time.perf_counter()
             opt.step()
-            opt._backend.pipeline.drain()  # count this step's writes in this step
+            opt.synchronize()  # count this step's writes in this step
             seconds = time.perf_counter() - start
             after = opt.tier_stats()["nvme"]
             steps.append({
@@ -87,7 +87,7 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
         resident = sum(  # bytes the resident slices keep in memory: read once, never again
             seg.numel * (sum(seg.slot.state_itemsizes) + 4 * seg.slot.has_master)
             for piece in opt.slices
-            if piece.index in opt._resident
+            if piece.index in opt.placement
             for seg in piece.segments
         )
     numel = sum(sizes)

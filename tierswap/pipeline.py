@@ -11,14 +11,20 @@ stored tensors) it needs. :meth:`Pipeline.run` moves every job through three sta
 3. **write-behind**: those tensors are written to the store asynchronously; the job's bytes return
    to the budget when its writes finish, while later jobs already work.
 
-Each byte is read once and written once per pass. *Resident* jobs skip stages 1 and 3 after their
-first pass: their tensors stay in memory (counted in the budget) until :meth:`Pipeline.flush`.
-For a cyclic schedule, keeping a fixed prefix resident and streaming the rest is what Belady's
-rule does: the job just finished is the one used furthest in the future.
+Each byte is read once and written once per pass. *Resident* jobs (``Job.tier``) skip stages 1
+and 3 after their first pass: their tensors stay in the device tier or in host memory, counted
+in that tier's budget, until :meth:`Pipeline.flush` writes them. Which jobs stay resident is the
+eviction policy's choice on the cyclic schedule (:func:`tierswap.engine.place`): Belady keeps a
+fixed set and streams the rest, since the job just finished is the one used furthest ahead.
+
+The budgets, buffers and policies are the engine's (:mod:`tierswap.engine`): one
+:class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
+holds at every moment, and one :class:`~tierswap.engine.BufferPool` per tier; idle pooled
+buffers count against the room left, so buffers in use plus idle never exceed a budget.
 
 Thread safety: ``prefetch``, ``run``, ``flush``, ``drain`` and ``release`` are called from one
 thread at a time (the caller's); I/O completions arrive on the store's threads and only touch
-the budget and the buffer pool, under one condition variable.
+the ledgers and the buffer pools, under one condition variable.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tierswap.config import ALIGN, Size, parse_size, round_up
-from tierswap.errors import BudgetError
-from tierswap.io import aligned_empty, gather
+from tierswap.config import Size, parse_size
+from tierswap.engine import BufferPool, Ledger, TierStats
+from tierswap.errors import BudgetError, ConfigError
+from tierswap.io import gather
+from tierswap.tiers import DEVICE, HOST, TierName
 
 if TYPE_CHECKING:
     from tierswap.store import ArrayInfo
@@ -60,14 +68,21 @@ class Job:
     """One unit of work: the regions it reads and the host bytes it holds while in flight.
 
     ``nbytes`` must cover the read buffers and anything the work allocates that lives until the
-    write-behind ends (e.g. state created on a first pass). ``resident`` jobs keep their tensors
-    in memory between passes.
+    write-behind ends (e.g. state created on a first pass). A job with a ``tier`` (``"device"``
+    or ``"host"``) keeps its tensors there between passes; ``resident=True`` is ``tier="host"``.
     """
 
     name: Hashable
     reads: tuple[Region, ...]
     nbytes: int
     resident: bool = False
+    tier: TierName | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in (None, DEVICE, HOST):
+            raise ConfigError(f"Job.tier={self.tier!r} must be None, 'device' or 'host'")
+        if self.resident and self.tier is None:
+            object.__setattr__(self, "tier", HOST)
 
 
 #: ``work(job, tensors) -> writes``: ``tensors`` maps each of ``job.reads`` to a 1-D CPU tensor;
@@ -97,7 +112,7 @@ class RegionStore(Protocol):
 
 
 class Pipeline:
-    """Read-ahead / work / write-behind over a :class:`~tierswap.SwapStore` within ``budget``.
+    """Read-ahead / work / write-behind over a :class:`~tierswap.SwapStore` within budgets.
 
     Parameters
     ----------
@@ -105,36 +120,53 @@ class Pipeline:
         The store holding the regions: a :class:`~tierswap.SwapStore` or any other
         :class:`RegionStore`.
     budget:
-        Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: resident
-        jobs, jobs read ahead, the job at work and jobs being written back. A job larger than
-        the budget raises ``BudgetError``.
+        Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: jobs resident
+        in host memory, jobs read ahead, the job at work, jobs being written back and idle
+        pooled buffers. A job larger than the budget raises ``BudgetError``.
+    device_budget:
+        Bytes of the device tier: jobs resident there (``Job.tier="device"``). On a GPU
+        (``device`` a CUDA device) their tensors live in device memory; without one the device
+        tier is an ordinary CPU-memory tier with its own budget.
+    device:
+        Where device-tier tensors live (default: the CPU).
     """
 
-    def __init__(self, store: RegionStore, budget: Size) -> None:
+    def __init__(
+        self,
+        store: RegionStore,
+        budget: Size,
+        *,
+        device_budget: Size = 0,
+        device: torch.device | None = None,
+    ) -> None:
         self._store = store
         self.budget = parse_size(budget, name="budget")
         self._cv = threading.Condition()
-        self._held = 0  # bytes of jobs between the start of their reads and their writes' end
+        self._ledgers: dict[TierName, Ledger] = {
+            DEVICE: Ledger(DEVICE, parse_size(device_budget, name="device_budget"), self._cv),
+            HOST: Ledger(HOST, self.budget, self._cv),
+        }
+        self._device = device if device is not None else torch.device("cpu")
         self._reading: dict[Hashable, _Reading] = {}
         self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
-        self._resident_bytes: dict[Hashable, int] = {}
+        self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
         self._writes: list[Future[Any]] = []
         self._errors: list[BaseException] = []
-        self._pool = _BufferPool()
+        self._pool = BufferPool()
         self._dtypes: dict[str, torch.dtype] = {}
-        self.hits = self.misses = 0
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
     def prefetch(self, jobs: Iterable[Job]) -> None:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks."""
+        host = self._ledgers[HOST]
         for job in jobs:
             if job.name in self._reading or job.name in self._resident:
                 continue
             with self._cv:
-                if self._held + job.nbytes > self.budget:
+                self._pool.trim(max(host.free - job.nbytes, 0))
+                if not host.try_reserve(job.nbytes):
                     return
-                self._held += job.nbytes
             self._start_reads(job)
 
     def run(self, jobs: Sequence[Job], work: Work) -> None:
@@ -159,9 +191,9 @@ class Pipeline:
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
         if job.name in self._resident:
-            self.hits += 1
+            with self._cv:
+                self._ledgers[self._resident_in[job.name][0]].hits += 1
             return self._resident[job.name]
-        self.misses += 1
         started = time.perf_counter()
         stale = self._reading.get(job.name)
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
@@ -177,17 +209,20 @@ class Pipeline:
             raise
         finally:
             self.stall_seconds += time.perf_counter() - started
+        with self._cv:
+            host = self._ledgers[HOST]
+            host.misses += 1
+            host.bytes_in += sum(t.numel() * t.element_size() for t in reading.tensors.values())
         return reading.tensors
 
     def _finish(
         self, job: Job, tensors: dict[Region, torch.Tensor], writes: dict[Region, torch.Tensor]
     ) -> None:
         """Keep a resident job's tensors, or write the job back and free it when done."""
-        if job.resident:
-            kept = self._resident.setdefault(job.name, {})
-            kept.update(tensors)
-            kept.update(writes)
-            self._resident_bytes[job.name] = job.nbytes
+        if job.name in self._resident:
+            self._resident[job.name].update(writes)
+            return
+        if job.tier is not None and self._keep(job, {**tensors, **writes}):
             return
         try:
             done = write_regions(self._store, writes)
@@ -196,7 +231,37 @@ class Pipeline:
             raise
         with self._cv:
             self._writes.append(done)
+            self._ledgers[HOST].bytes_out += _nbytes(writes)
         done.add_done_callback(lambda f: self._written(job, tensors, f))
+
+    def _keep(self, job: Job, tensors: dict[Region, torch.Tensor]) -> bool:
+        """Make ``job`` resident in its tier after its first pass; ``False`` when that tier
+        has no room for it (it then streams, as any other job)."""
+        assert job.tier is not None
+        if job.tier == HOST:
+            self._resident[job.name] = tensors
+            self._resident_in[job.name] = (HOST, job.nbytes)  # its reserved bytes stay
+            return True
+        device = self._ledgers[DEVICE]
+        if not device.try_reserve(job.nbytes):
+            return False
+        kept = {region: self._to_device(tensor) for region, tensor in tensors.items()}
+        self._resident[job.name] = kept
+        self._resident_in[job.name] = (DEVICE, job.nbytes)
+        with self._cv:
+            device.bytes_in += _nbytes(kept)
+            self._ledgers[HOST].bytes_out += _nbytes(kept)
+        if self._device.type != "cpu":  # copied: the host buffers go back to the pool
+            self._give_back(job, tensors)
+        else:  # a CPU device tier keeps the same buffers: they leave the host's books
+            with self._cv:
+                self._ledgers[HOST].release(job.nbytes)
+        return True
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._device.type == "cpu":
+            return tensor
+        return tensor.to(self._device, non_blocking=True)
 
     def _written(self, job: Job, tensors: dict[Region, torch.Tensor], done: Future[Any]) -> None:
         error = done.exception()
@@ -209,17 +274,30 @@ class Pipeline:
 
     # ------------------------------------------------------------------ budget and buffers
     def _wait_for_room(self, nbytes: int) -> None:
+        host = self._ledgers[HOST]
         with self._cv:
-            if self._resident_total() + nbytes > self.budget:
+            resident = self._resident_total(HOST)
+            if resident + nbytes > self.budget:
                 raise BudgetError(
                     f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
-                    f"bytes beside {self._resident_total()} resident bytes; raise the budget"
+                    f"bytes beside {resident} resident bytes; raise the budget"
                 )
+            self._pool.trim(max(host.free - nbytes, 0))
             # Write-behinds free room as they finish. Without any in flight, what holds the room
-            # is resident jobs (checked above) and reads started ahead for this pass.
-            while self._held + nbytes > self.budget and self._writes:
-                self._cv.wait()
-            self._held += nbytes
+            # is resident jobs (checked above) and reads started ahead for this pass: drop those.
+            while not host.try_reserve(nbytes):
+                if self._writes:
+                    self._cv.wait()
+                elif self._reading:
+                    self._cv.release()
+                    try:
+                        self._drop_reading(next(reversed(self._reading)))
+                    finally:
+                        self._cv.acquire()
+                else:  # only the pool's idle buffers are left to free
+                    self._pool.trim(max(host.free - nbytes, 0))
+                    host.reserve(nbytes, can_wait=lambda: False)
+                    return
 
     def _start_reads(self, job: Job) -> None:
         tensors: dict[Region, torch.Tensor] = {}
@@ -241,13 +319,14 @@ class Pipeline:
 
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
+        host = self._ledgers[HOST]
         with self._cv:
             for region in job.reads:
                 tensor = tensors.get(region)
                 if tensor is not None:
                     self._pool.give(tensor)
-            self._held -= job.nbytes
-            self._pool.trim(max(self.budget - self._held, 0))
+            host.release(job.nbytes)
+            self._pool.trim(host.free)
             self._cv.notify_all()
 
     def _dtype(self, key: str) -> torch.dtype:
@@ -256,8 +335,8 @@ class Pipeline:
             dtype = self._dtypes[key] = self._store.info(key).dtype
         return dtype
 
-    def _resident_total(self) -> int:
-        return sum(self._resident_bytes.values())
+    def _resident_total(self, tier: TierName) -> int:
+        return sum(n for t, n in self._resident_in.values() if t == tier)
 
     # ------------------------------------------------------------------ ends of a pass
     def drain(self) -> None:
@@ -284,7 +363,11 @@ class Pipeline:
     def flush(self) -> None:
         """Write every resident job's tensors to the store and wait for all writes."""
         resident = {r: t for tensors in self._resident.values() for r, t in tensors.items()}
-        write_regions(self._store, resident).result()
+        on_host = {r: t.cpu() if t.device.type != "cpu" else t for r, t in resident.items()}
+        write_regions(self._store, on_host).result()
+        with self._cv:
+            for name, tensors in self._resident.items():
+                self._ledgers[self._resident_in[name][0]].bytes_out += _nbytes(tensors)
         self.drain()
 
     def evict(self) -> None:
@@ -292,28 +375,55 @@ class Pipeline:
         self.flush()
         with self._cv:
             for name, tensors in self._resident.items():
-                for tensor in tensors.values():
-                    self._pool.give(tensor, owned=False)
-                self._held -= self._resident_bytes.get(name, 0)
+                tier, nbytes = self._resident_in[name]
+                if tier == HOST:
+                    for tensor in tensors.values():
+                        self._pool.give(tensor, owned=False)
+                self._ledgers[tier].release(nbytes)
             self._resident.clear()
-            self._resident_bytes.clear()
+            self._resident_in.clear()
             self._dtypes.clear()
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
         return self._resident.get(name)
 
+    def resident_tier(self, name: Hashable) -> TierName | None:
+        """The tier holding job ``name`` between passes, or ``None`` (streamed)."""
+        placed = self._resident_in.get(name)
+        return placed[0] if placed is not None else None
+
     @property
     def held(self) -> int:
-        """Host bytes held now: resident jobs and jobs in flight."""
+        """Host bytes held now: jobs resident in host memory and jobs in flight."""
         with self._cv:
-            return self._held
+            return self._ledgers[HOST].used
+
+    @property
+    def hits(self) -> int:
+        """Uses of jobs found resident (device or host tier)."""
+        with self._cv:
+            return self._ledgers[DEVICE].hits + self._ledgers[HOST].hits
+
+    @property
+    def misses(self) -> int:
+        """Uses of jobs read from the store."""
+        with self._cv:
+            return self._ledgers[HOST].misses
+
+    def tier_stats(self) -> dict[TierName, TierStats]:
+        """What each memory tier holds and served: used, budget, hits, misses, bytes in/out."""
+        return {tier: ledger.stats() for tier, ledger in self._ledgers.items()}
 
     def _raise_write_errors(self) -> None:
         with self._cv:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+
+def _nbytes(tensors: Mapping[Region, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def write_regions(store: RegionStore, writes: Mapping[Region, torch.Tensor]) -> Future[Any]:
@@ -329,48 +439,3 @@ def write_regions(store: RegionStore, writes: Mapping[Region, torch.Tensor]) -> 
         gather(futures).exception()
         raise
     return gather(futures)
-
-
-class _BufferPool:
-    """Page-aligned byte buffers by capacity, reused across passes so that reads land in memory
-    that is already mapped (a fresh buffer costs a page fault per 4 KiB on first touch).
-
-    Callers hold the pipeline's lock; ``trim`` keeps the idle buffers within the budget left.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._idle = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        capacity = max(round_up(nbytes, ALIGN), ALIGN)
-        free = self._free.get(capacity)
-        if free:
-            self._idle -= capacity
-            return free.pop()
-        return aligned_empty((capacity,), torch.uint8)
-
-    def give(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
-        if not owned:
-            return
-        raw = _base_bytes(tensor)
-        if raw is None:
-            return
-        self._free.setdefault(raw.numel(), []).append(raw)
-        self._idle += raw.numel()
-
-    def trim(self, room: int) -> None:
-        """Free idle buffers, largest first, until they fit in ``room`` bytes."""
-        for capacity in sorted(self._free, reverse=True):
-            free = self._free[capacity]
-            while free and self._idle > room:
-                free.pop()
-                self._idle -= capacity
-
-
-def _base_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The whole page-rounded uint8 buffer a pool tensor was cut from (``None`` for others)."""
-    storage = tensor.untyped_storage()
-    if tensor.storage_offset() != 0 or storage.nbytes() % ALIGN:
-        return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))

@@ -360,7 +360,10 @@ def test_stats_counts(make: Callable[..., TierCache], filled: LoggingStore) -> N
     cache.get("s/x", tier="host")
     cache.get("s/x", tier="host")
     d = cache.stats().as_dict()
-    assert d["host"] == {"hits": 1, "misses": 1, "used": PAGE, "budget": len(KEYS) * PAGE}
+    assert d["host"] == {
+        "hits": 1, "misses": 1, "used": PAGE, "budget": len(KEYS) * PAGE,
+        "bytes_in": ITEM * 4, "bytes_out": 0,
+    }  # fmt: skip
     assert d["nvme"]["bytes_read"] == PAGE
     assert d["nvme"]["bytes_written"] == 0
     assert set(d) == {"device", "host", "nvme", "stall_seconds"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tierswap import LookaheadPolicy, TierCache
-from tierswap.cache.belady import simulate
+from tierswap.engine.belady import simulate
 
 from .conftest import LoggingStore
 

@@ -40,10 +40,23 @@ def test_parameter_larger_than_the_budget_is_stepped_in_slices(tmp_path) -> None
         assert torch.equal(plain_model.bias, swap_model.bias)
 
 
-def test_device_budget_is_checked_too() -> None:
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streamed slices step on a GPU only")
+def test_device_budget_is_checked_where_slices_step_on_the_device() -> None:
     model = torch.nn.Linear(128, 64)
     with pytest.raises(ConfigError, match="device_budget"):
         SwapOptimizer(model.parameters(), host_budget="1MiB", device_budget="1KiB")
+
+
+def test_a_device_tier_smaller_than_a_slice_holds_nothing(tmp_path) -> None:
+    model = torch.nn.Linear(128, 64)
+    with SwapOptimizer(
+        model.parameters(), swap_dir=tmp_path / "s", host_budget="1MiB", device_budget="1KiB"
+    ) as opt:
+        model(torch.randn(2, 128)).sum().backward()
+        opt.step()
+        device = opt.tier_stats()["device"]
+        assert device["used"] == device["hits"] == 0
+        assert device["budget"] == 1024
 
 
 def test_minimum_counts_masters_and_amsgrad_state() -> None:

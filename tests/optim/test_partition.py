@@ -10,7 +10,6 @@ import torch
 from tierswap.errors import ConfigError
 from tierswap.optim._partition import Slot, check_budget, master_dtype, plan_slices
 from tierswap.optim._probe import check_elementwise, probe_state_itemsizes
-from tierswap.optim.optimizer import _resident_prefix
 
 
 def _slot(index: int, numel: int, dtype: torch.dtype = torch.float32) -> Slot:
@@ -86,14 +85,6 @@ def test_check_budget_names_the_minimum() -> None:
     check_budget(slices, 65536, "host_budget")
     with pytest.raises(ConfigError, match=r"minimum is 64\.00 KiB \(65536 bytes\)"):
         check_budget(slices, 65535, "host_budget")
-
-
-def test_resident_prefix_leaves_room_for_the_stream() -> None:
-    slices = plan_slices([_slot(i, 1024) for i in range(12)], target_bytes=8192, chunk_bytes=4096)
-    assert len(slices) == 12
-    assert _resident_prefix(slices, 12 * 8192, fits=True, lookahead=True) == set(range(12))
-    assert _resident_prefix(slices, 6 * 8192, fits=False, lookahead=True) == {0, 1}
-    assert _resident_prefix(slices, 6 * 8192, fits=False, lookahead=False) == set()
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_each_state_byte_is_read_once_and_written_once_per_step(tmp_path) -> Non
         model.parameters(), lr=1e-3, host_budget="40KiB", commit_every=0, swap_dir=tmp_path / "s"
     )
     with swap:
-        assert not swap._resident, "the budget holds no resident slice: every byte streams"
+        assert not swap.placement, "the budget holds no resident slice: every byte streams"
         xs = torch.randn(4, 5, 96)
         _step(model, swap, xs[0])  # creates the state (sparse files, then one write)
         swap._backend.pipeline.drain()  # the last writes of a step end during the next one

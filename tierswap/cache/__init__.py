@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from tierswap.cache.belady import CycleReads, simulate
-from tierswap.cache.policies import EvictionPolicy, LookaheadPolicy, LRUPolicy, make_policy
-from tierswap.cache.stats import CacheStats, TierStats
 from tierswap.cache.tiercache import TierCache
+from tierswap.engine import (
+    CacheStats,
+    CycleReads,
+    EvictionPolicy,
+    LookaheadPolicy,
+    LRUPolicy,
+    TierStats,
+    make_policy,
+    simulate,
+)
 
 __all__ = [
     "CacheStats",

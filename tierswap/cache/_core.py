@@ -33,8 +33,8 @@ from tierswap.cache._tiers import (
     Tier,
     WriteBack,
 )
-from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import format_size
+from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import BudgetError, ConfigError, StoreClosedError
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -368,6 +368,7 @@ class CacheCore:
             if error is None:
                 entry.state = READY
                 self._count_io("read", entry.meta.nbytes)
+                self._tiers[entry.tier].bytes_in += entry.meta.nbytes
             else:
                 entry.state, entry.error = FAILED, error
                 self._discard(entry)
@@ -401,6 +402,7 @@ class CacheCore:
                 t.used -= entry.size
             if error is None:
                 self._count_io("written", entry.meta.nbytes)
+                t.bytes_out += entry.meta.nbytes
             self._wake_pump()
 
     def _launch_flush(self, entry: Entry) -> None:
@@ -417,6 +419,7 @@ class CacheCore:
             entry.state = READY
             if error is None:
                 self._count_io("written", entry.meta.nbytes)
+                self._tiers[entry.tier].bytes_out += entry.meta.nbytes
             else:
                 entry.dirty = True
                 self._errors.append(error)

@@ -11,8 +11,8 @@ from collections import Counter
 
 import torch
 
-from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import ALIGN, round_up
+from tierswap.engine.policies import EvictionPolicy
 from tierswap.io import aligned_empty
 from tierswap.tiers import HOST, MEMORY_TIERS, TierName
 
@@ -97,6 +97,8 @@ class Tier:
         self.entries: dict[str, Entry] = {}
         self.hits = 0
         self.misses = 0
+        self.bytes_in = 0  # read in from the store, or moved in from the other tier
+        self.bytes_out = 0  # written down to the store, or moved out to the other tier
 
     @property
     def enabled(self) -> bool:

@@ -31,9 +31,9 @@ from tierswap.cache._tiers import (
     Tier,
     WriteBack,
 )
-from tierswap.cache.policies import EvictionPolicy, make_policy
-from tierswap.cache.stats import CacheStats, TierStats
 from tierswap.config import format_size, parse_size
+from tierswap.engine.policies import EvictionPolicy, make_policy
+from tierswap.engine.stats import CacheStats, TierStats
 from tierswap.errors import (
     InvalidTensorError,
     KeyNotFoundError,
@@ -62,7 +62,7 @@ class TierCache(CacheCore):
         Where the device tier lives; default ``cuda`` when available, else CPU memory (an
         ordinary tier with its own budget, so every path runs without a GPU).
     policy:
-        ``"lru"``, ``"lookahead"`` or an :class:`~tierswap.cache.policies.EvictionPolicy`.
+        ``"lru"``, ``"lookahead"`` or an :class:`~tierswap.engine.policies.EvictionPolicy`.
 
     Notes
     -----
@@ -242,7 +242,7 @@ class TierCache(CacheCore):
         """A snapshot of hits, misses, bytes used per tier, NVMe bytes and stall time."""
         with self._cv:
             tiers = {
-                name: TierStats(t.hits, t.misses, t.used, t.budget)
+                name: TierStats(t.hits, t.misses, t.used, t.budget, t.bytes_in, t.bytes_out)
                 for name, t in self._tiers.items()
             }
             c = self._counters
@@ -434,6 +434,8 @@ class TierCache(CacheCore):
         buf.copy_(entry.tensor)
         del src.entries[entry.key]
         src.used -= entry.size
+        src.bytes_out += entry.meta.nbytes
+        dst.bytes_in += entry.meta.nbytes
         entry.tier, entry.tensor = target, buf
         dst.entries[entry.key] = entry
         self._cv.notify_all()

@@ -60,6 +60,8 @@ class StateBackend:
         Host bytes of the pipeline (resident slices and slices in flight).
     chunk_bytes:
         Chunk size of new arrays: slices split parameters at multiples of it.
+    device_budget, device:
+        Bytes of the device tier (slices resident there) and where its tensors live.
     """
 
     def __init__(
@@ -70,6 +72,8 @@ class StateBackend:
         durable: bool,
         resume: bool,
         chunk_bytes: int,
+        device_budget: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.path, temporary = resolve_swap_dir(swap_dir)
         self._cleanup = (
@@ -83,7 +87,7 @@ class StateBackend:
             if self._cleanup is not None:
                 self._cleanup()
             raise
-        self.pipeline = Pipeline(self.store, budget)
+        self.pipeline = Pipeline(self.store, budget, device_budget=device_budget, device=device)
         self.known: set[str] = set(self.store.keys()) if resume else set()
         self.closed = False
         close_at_exit(self)
@@ -138,17 +142,15 @@ class StateBackend:
         small: dict[str, Any] = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
         return small
 
-    def stats(self, host_budget: int, device_budget: int) -> dict[str, Any]:
-        """Statistics in the cache's shape: hits and misses of slices, disk bytes, stalls."""
+    def stats(self) -> dict[str, Any]:
+        """What each tier holds and served: the device and host tiers' ledgers (used, budget,
+        hits, misses, bytes in and out), the store's disk traffic, the seconds spent waiting
+        for reads."""
         pipeline = self.pipeline
+        tiers = pipeline.tier_stats()
         return {
-            DEVICE: {"hits": 0, "misses": 0, "used": 0, "budget": device_budget},
-            HOST: {
-                "hits": pipeline.hits,
-                "misses": pipeline.misses,
-                "used": pipeline.held,
-                "budget": host_budget,
-            },
+            DEVICE: tiers[DEVICE].as_dict(),
+            HOST: tiers[HOST].as_dict(),
             NVME: self.store.stats(),
             "stall_seconds": pipeline.stall_seconds,
         }

@@ -6,8 +6,8 @@ import dataclasses
 import os
 from typing import Any
 
-from tierswap.cache.policies import EvictionPolicy
 from tierswap.config import Size, parse_size
+from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import ConfigError
 
 __all__ = ["SwapConfig"]

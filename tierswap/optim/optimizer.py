@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import torch
 
-from tierswap.cache.policies import EvictionPolicy
+from tierswap.engine import EvictionPolicy, make_policy, place
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
@@ -47,7 +47,7 @@ from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
 from tierswap.store import Progress, SnapshotResult
-from tierswap.tiers import DEVICE, HOST
+from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["SwapOptimizer"]
 
@@ -57,6 +57,9 @@ MAX_SLICE_BYTES = 64 << 20
 #: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
 #: stepping, one or two being written back.
 STREAM_SLICES = 4
+#: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
+#: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
+STREAM_FLOOR = 32 << 20
 #: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
 
@@ -201,6 +204,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             durable=config.durable,
             resume=config.resume,
             chunk_bytes=self._chunk_bytes,
+            device_budget=config.device_bytes,
+            device=self.compute_device,
         )
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
@@ -265,13 +270,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         return made
 
     def _plan(self) -> int:
-        """Cut the slots into slices, choose the resident prefix, check the budgets.
+        """Cut the slots into slices, choose where each stays between steps, check budgets.
 
-        Returns the chunk size for the state arrays. All state within the budget: large slices,
-        all resident. Else slices of about a ``STREAM_SLICES``-th of the budget stream through
-        the pipeline, and what the budget has left beyond them holds a resident prefix (with
-        ``policy="lookahead"``; ``"lru"`` gets no hits on a cyclic pass larger than the cache,
-        so it streams everything).
+        Returns the chunk size for the state arrays. All state within the host budget: large
+        slices. Else slices of about a ``STREAM_SLICES``-th of the streaming part of the
+        budget (a tenth, at least ``STREAM_FLOOR``). The policy then chooses, on the step's
+        cyclic schedule, which slices stay resident: in the device tier first
+        (``device_budget``), then in host memory (what the host budget has beyond the
+        streaming part); the rest streams from disk (:func:`tierswap.engine.place`).
         """
         chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(MAX_SLICE_BYTES)
         whole = plan_slices(self._slots[::-1], MAX_SLICE_BYTES, chunk)
@@ -279,18 +285,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
             configured = self._config.host_bytes
             self.host_budget = configured if configured is not None else max(total, 1)
-        budget = self._tier_budget()
-        fits = total <= budget
-        if fits:
+        stream = 0
+        if total <= self.host_budget:
             self._slices: list[Slice] = whole
         else:
-            target = min(max(budget // STREAM_SLICES, 1), MAX_SLICE_BYTES)
+            stream = max(self.host_budget // 10, min(self.host_budget, STREAM_FLOOR))
+            target = min(max(stream // STREAM_SLICES, 1), MAX_SLICE_BYTES)
             chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
             self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
-        if self.tier == DEVICE:
+        if self.compute_device.type != "cpu":  # streamed slices step on the device
             check_budget(self._slices, self._config.device_bytes, "device_budget")
-        self._resident = _resident_prefix(self._slices, budget, fits, self._lookahead())
+        self._placement = self._place(stream)
         self._slices_of: dict[int, list[Slice]] = defaultdict(list)
         for piece in self._slices:
             for slot in {seg.slot.index for seg in piece.segments}:
@@ -298,10 +304,22 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._slot_of = {id(s.param): s for s in self._slots}
         return chunk
 
-    def _lookahead(self) -> bool:
+    def _place(self, stream: int) -> dict[int, TierName]:
+        """The tier each resident slice stays in between steps, as the policy chooses on the
+        step's schedule (slice indices; absent: streamed)."""
+        largest = max((piece.working_set for piece in self._slices), default=0)
+        capacities: dict[str, int] = {DEVICE: self._config.device_bytes}
+        if self.compute_device.type != "cpu":  # streamed slices pass through the device
+            capacities[DEVICE] = max(capacities[DEVICE] - 2 * largest, 0)
+        capacities[HOST] = self.host_budget - max(stream, STREAM_SLICES * largest if stream else 0)
         policy = self._config.policy
-        name = policy if isinstance(policy, str) else type(policy).__name__.lower()
-        return "lru" not in name
+        policies = {
+            tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
+        }
+        sizes = {str(piece.index): piece.working_set for piece in self._slices}
+        schedule = [str(piece.index) for piece in self._slices]
+        placed = place(policies, schedule, sizes, capacities)
+        return {int(key): cast(TierName, tier) for key, tier in placed.items()}
 
     def _start(self, resume: bool) -> None:
         meta = self._backend.committed_meta() if resume else None
@@ -467,7 +485,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             piece.index,
             slice_reads(piece, self._state_names),
             piece.working_set,
-            resident=piece.index in self._resident,
+            tier=self._placement.get(piece.index),
         )
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
@@ -477,10 +495,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             trim_heap()  # the first step's state is freed after its write: free it for real
         return writes
 
-    def _tier_budget(self) -> int:
-        if self.tier == DEVICE:
-            return min(self.host_budget, self._config.device_bytes)
-        return self.host_budget
+    def synchronize(self) -> None:
+        """Wait until every write the last step started has reached the store (the step
+        returns while its last slices are still being written); raise one that failed."""
+        self._backend.pipeline.drain()
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
@@ -546,10 +564,18 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     partitions = slices  # the name of the unit before slices split parameters
 
+    @property
+    def placement(self) -> dict[int, TierName]:
+        """Where each resident slice stays between steps: slice index -> ``"device"`` or
+        ``"host"``, as the policy chose; slices not listed stream from disk every step."""
+        return dict(self._placement)
+
     def tier_stats(self) -> dict[str, Any]:
-        """Statistics: slice hits (resident) and misses (streamed), disk bytes and operations,
-        seconds the step waited for reads."""
-        return self._backend.stats(self.host_budget, self._config.device_bytes)
+        """What each tier really holds and serves: ``{"device"|"host": {used, budget, hits,
+        misses, bytes_in, bytes_out}, "nvme": {bytes_read, bytes_written, ...},
+        "stall_seconds"}``. A hit is a slice stepped where it stayed resident (device or host
+        tier), a miss a slice read from disk."""
+        return self._backend.stats()
 
     def close(self) -> None:
         """Commit the steps taken since the last commit, then release hooks, pipeline and store.
@@ -587,25 +613,6 @@ def _chunk_for(target: int) -> int:
     while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
         chunk *= 2
     return chunk
-
-
-def _resident_prefix(slices: list[Slice], budget: int, fits: bool, lookahead: bool) -> set[int]:
-    """Slices that stay in memory between steps: all when the state fits, else the first ones
-    up to what the budget has left beyond ``STREAM_SLICES`` slices in flight (Belady on a
-    cyclic schedule: the slice just stepped is the one needed furthest ahead, so it goes)."""
-    if fits:
-        return {piece.index for piece in slices}
-    if not lookahead:
-        return set()
-    largest = max((piece.working_set for piece in slices), default=0)
-    room = budget - STREAM_SLICES * largest
-    kept: set[int] = set()
-    for piece in slices:
-        if piece.working_set > room:
-            break
-        room -= piece.working_set
-        kept.add(piece.index)
-    return kept
 
 
 def _check_class(optimizer_class: Any) -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierswap.cache.belady import CycleReads, simulate
+from tierswap.engine.belady import CycleReads, simulate
 from tierswap.errors import ConfigError
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tierswap import LookaheadPolicy, LRUPolicy
-from tierswap.cache.policies import EvictionPolicy, make_policy
+from tierswap.engine.policies import EvictionPolicy, make_policy
 from tierswap.errors import ConfigError
 
 

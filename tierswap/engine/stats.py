@@ -1,4 +1,5 @@
-"""What a :class:`~tierswap.TierCache` reports: hits, misses, bytes moved, stall time."""
+"""What the engine's front ends (:class:`~tierswap.TierCache`, :class:`~tierswap.Pipeline` and
+the optimizer on it) report: per tier hits, misses, bytes held and moved; disk traffic; stalls."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class TierStats:
     misses: int = 0
     used: int = 0
     budget: int = 0
+    bytes_in: int = 0  # bytes moved into the tier (reads from below, copies from the other tier)
+    bytes_out: int = 0  # bytes moved out of it (written down, copied to the other tier)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

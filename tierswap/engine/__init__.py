@@ -1,0 +1,34 @@
+"""The one movement engine under :class:`~tierswap.Pipeline` and :class:`~tierswap.TierCache`.
+
+Both front ends compose the same parts: a byte :class:`Ledger` per memory tier (its invariant:
+``0 <= used <= budget``, every byte reserved before it is allocated), a :class:`BufferPool` of
+page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choose what stays
+resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), and one
+statistics type (:class:`TierStats`, :class:`CacheStats`). Disk transfers go through the store's
+async calls; nothing here imports a front end.
+"""
+
+from __future__ import annotations
+
+from tierswap.engine._ledger import Ledger
+from tierswap.engine._placement import kept, place
+from tierswap.engine._pool import BufferPool, base_bytes
+from tierswap.engine.belady import CycleReads, simulate
+from tierswap.engine.policies import EvictionPolicy, LookaheadPolicy, LRUPolicy, make_policy
+from tierswap.engine.stats import CacheStats, TierStats
+
+__all__ = [
+    "BufferPool",
+    "CacheStats",
+    "CycleReads",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "Ledger",
+    "LookaheadPolicy",
+    "TierStats",
+    "base_bytes",
+    "kept",
+    "make_policy",
+    "place",
+    "simulate",
+]

@@ -1,0 +1,108 @@
+"""The byte ledger of one memory tier: every byte a front end holds there, reserved first.
+
+Private to :mod:`tierswap.engine`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from tierswap.config import format_size
+from tierswap.engine.stats import TierStats
+from tierswap.errors import BudgetError
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    """Used and free bytes of one tier (device or host) under a hard budget.
+
+    **Invariant**: ``0 <= used <= budget`` after every call, checked on every change. A front end
+    reserves the bytes of a buffer before it allocates it (a read's destination, a tensor kept
+    resident, a transient copy made for a write) and releases them after the buffer is freed or
+    handed to the pool's free list, which the ledger also counts: idle pooled buffers are memory
+    too. So the tier's memory never exceeds its budget, whatever the disk's speed.
+
+    The ledger also counts what the tier serves: ``hits`` / ``misses`` (a use found the data
+    here, or had to bring it in) and ``bytes_in`` / ``bytes_out`` (bytes moved into and out of
+    the tier).
+
+    Thread safety: every method takes ``cv``; a front end passes its own condition so that its
+    state and its ledgers change under one lock (``reserve`` then waits on that condition, so
+    whatever the front end notifies wakes it).
+    """
+
+    def __init__(self, name: str, budget: int, cv: threading.Condition | None = None) -> None:
+        if budget < 0:
+            raise BudgetError(f"the {name} budget is {budget} bytes; it must be >= 0")
+        self.name = name
+        self.budget = budget
+        self.cv = cv if cv is not None else threading.Condition()
+        self.used = 0
+        self.peak = 0
+        self.hits = self.misses = 0
+        self.bytes_in = self.bytes_out = 0
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` could ever be held here (at most the budget)."""
+        return nbytes <= self.budget
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they are free now; never waits."""
+        with self.cv:
+            if self.used + nbytes > self.budget:
+                return False
+            self._change(nbytes)
+            return True
+
+    def reserve(self, nbytes: int, *, can_wait: Callable[[], bool]) -> None:
+        """Reserve ``nbytes``, waiting while they are not free and ``can_wait()`` says that
+        something in flight will free bytes. Raises :class:`BudgetError` when they can never
+        come (more than the budget, or nothing left to wait for)."""
+        if nbytes > self.budget:
+            raise BudgetError(
+                f"{format_size(nbytes)} ({nbytes} bytes) cannot fit the {self.name} budget of "
+                f"{format_size(self.budget)}; raise the budget"
+            )
+        with self.cv:
+            while self.used + nbytes > self.budget:
+                if not can_wait():
+                    raise BudgetError(
+                        f"{format_size(nbytes)} do not fit beside the {format_size(self.used)} "
+                        f"held in the {self.name} tier (budget {format_size(self.budget)}), and "
+                        "nothing in flight will free them; raise the budget"
+                    )
+                self.cv.wait()
+            self._change(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` reserved before; wakes waiters."""
+        with self.cv:
+            self._change(-nbytes)
+            self.cv.notify_all()
+
+    def _change(self, delta: int) -> None:
+        used = self.used + delta
+        if not 0 <= used <= self.budget:
+            raise AssertionError(
+                f"{self.name} ledger: {self.used} + {delta} leaves [0, {self.budget}]"
+            )
+        self.used = used
+        self.peak = max(self.peak, used)
+
+    def stats(self) -> TierStats:
+        """What the tier holds and served, now."""
+        with self.cv:
+            return TierStats(
+                hits=self.hits,
+                misses=self.misses,
+                used=self.used,
+                budget=self.budget,
+                bytes_in=self.bytes_in,
+                bytes_out=self.bytes_out,
+            )

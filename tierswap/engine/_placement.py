@@ -1,0 +1,72 @@
+"""Which items of a cyclic schedule stay resident, and in which tier: the policy decides.
+
+Private to :mod:`tierswap.engine`.
+
+A training step touches its slices in the same order every step. The policy (LRU, lookahead,
+or the user's :class:`~tierswap.engine.policies.EvictionPolicy`) is replayed on two cycles of that
+schedule against a tier's capacity, with demand paging: each use of an item not held is a miss,
+and room is made by evicting the policy's victims. The items that hit in the second cycle are
+the ones the policy keeps across a whole cycle; they stay resident, and the rest streams. The
+device tier is filled first, then host memory from what the device does not hold.
+
+On a cyclic schedule larger than the tier, LRU evicts every item just before its next use and
+keeps nothing; lookahead (Belady) keeps all but about one item's worth of the capacity, the
+optimum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from tierswap.engine.policies import EvictionPolicy
+
+__all__ = ["place"]
+
+
+def place(
+    policies: Mapping[str, EvictionPolicy],
+    schedule: Sequence[str],
+    sizes: Mapping[str, int],
+    capacities: Mapping[str, int],
+) -> dict[str, str]:
+    """``{key: tier}`` for the items that stay resident, tiers taken in ``capacities``' order
+    (device first), each with its own ``policies[tier]`` replayed on the items left."""
+    placed: dict[str, str] = {}
+    for tier, capacity in capacities.items():
+        left = [key for key in schedule if key not in placed]
+        for key in kept(policies[tier], left, sizes, capacity):
+            placed[key] = tier
+    return placed
+
+
+def kept(
+    policy: EvictionPolicy, schedule: Sequence[str], sizes: Mapping[str, int], capacity: int
+) -> list[str]:
+    """The items of ``schedule`` that ``policy`` keeps across a whole cycle in ``capacity``
+    bytes (those that hit in the second of two replayed cycles), in schedule order."""
+    if capacity <= 0 or not schedule:
+        return []
+    if sum(sizes[key] for key in schedule) <= capacity:
+        return list(schedule)  # everything fits: nothing is ever evicted
+    set_schedule = getattr(policy, "set_schedule", None)
+    if callable(set_schedule) and getattr(policy, "schedule", None) is None:
+        set_schedule(list(schedule))  # a lookahead policy need not learn what is known
+    held: dict[str, int] = {}
+    hits: list[str] = []
+    for cycle in range(2):
+        for key in schedule:
+            policy.access(key)
+            if key in held:
+                if cycle:
+                    hits.append(key)
+                continue
+            if sizes[key] > capacity:
+                continue  # never fits: streamed at every use
+            while sum(held.values()) + sizes[key] > capacity:
+                victim = policy.victim(list(held), None)
+                if victim is None or victim not in held:
+                    break
+                del held[victim]
+            if sum(held.values()) + sizes[key] <= capacity:
+                held[key] = sizes[key]
+    return hits

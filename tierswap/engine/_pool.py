@@ -1,0 +1,69 @@
+"""Buffers reused across passes, in whole pages, for one memory tier.
+
+Private to :mod:`tierswap.engine`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierswap.config import ALIGN, round_up
+from tierswap.io import aligned_empty
+
+__all__ = ["BufferPool", "base_bytes"]
+
+
+class BufferPool:
+    """Page-aligned byte buffers by capacity, reused across passes so that reads land in memory
+    that is already mapped (a fresh buffer costs a page fault per 4 KiB on first touch).
+
+    Not thread-safe: callers hold their front end's lock. ``trim`` keeps the idle buffers within
+    the room a tier's ledger has left, so buffers held plus idle never exceed the budget.
+    ``pin=None`` pins host buffers when CUDA is present; ``device`` other than the CPU makes
+    device buffers instead (a device tier on a GPU).
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._device = device if device is not None else torch.device("cpu")
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._idle = 0
+
+    @property
+    def idle(self) -> int:
+        """Bytes of buffers on the free list."""
+        return self._idle
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        capacity = max(round_up(nbytes, ALIGN), ALIGN)
+        free = self._free.get(capacity)
+        if free:
+            self._idle -= capacity
+            return free.pop()
+        if self._device.type != "cpu":
+            return torch.empty(capacity, dtype=torch.uint8, device=self._device)
+        return aligned_empty((capacity,), torch.uint8)
+
+    def give(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
+        if not owned:
+            return
+        raw = base_bytes(tensor)
+        if raw is None:
+            return
+        self._free.setdefault(raw.numel(), []).append(raw)
+        self._idle += raw.numel()
+
+    def trim(self, room: int) -> None:
+        """Free idle buffers, largest first, until they fit in ``room`` bytes."""
+        for capacity in sorted(self._free, reverse=True):
+            free = self._free[capacity]
+            while free and self._idle > room:
+                free.pop()
+                self._idle -= capacity
+
+
+def base_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole page-rounded uint8 buffer a pool tensor was cut from (``None`` for others)."""
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() != 0 or storage.nbytes() % ALIGN:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
