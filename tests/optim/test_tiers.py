@@ -1,0 +1,144 @@
+"""Three real tiers for the optimizer: the policy places slices in the device tier, in host
+memory or on disk; every placement steps bitwise like torch, and tier_stats() says what each
+tier holds and serves."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import pytest
+import torch
+
+from tests.optim.models import assert_same_params, assert_same_state
+from tierswap.engine import LRUPolicy
+from tierswap.optim import SwapOptimizer, optimizer
+
+LAYERS = 8
+
+
+@pytest.fixture(autouse=True)
+def small_stream(monkeypatch) -> None:
+    """Budgets of tests are KiB: stream a tenth of them, not the 32 MiB floor of real runs."""
+    monkeypatch.setattr(optimizer, "STREAM_FLOOR", 16 << 10)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class KeepEven:
+    """A custom policy: evicts odd-numbered slices first."""
+
+    def access(self, key: str) -> None: ...
+
+    def admit(self, key: str) -> None: ...
+
+    def forget(self, key: str) -> None: ...
+
+    def upcoming(self) -> list[str]:
+        return []
+
+    def victim(self, candidates: Collection[str], incoming: str | None) -> str | None:
+        odd = sorted(k for k in candidates if int(k) % 2)
+        return odd[0] if odd else max(candidates, key=int)
+
+
+STATE = LAYERS * (64 * 64 + 64) * 8  # AdamW's two fp32 moments
+PLACEMENTS = {
+    # name: (host_budget, device_budget)
+    "all-device": ("64KiB", 2 * STATE),
+    "device+host+nvme": (STATE // 2, STATE // 4),
+    "all-nvme": ("64KiB", 0),
+}
+
+
+def _run(model, opt, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "lru", "custom"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_and_policy_is_bitwise(placement, policy, tmp_path) -> None:
+    host, device = PLACEMENTS[placement]
+    torch.manual_seed(0)
+    ref_model, model = Stack(), Stack()
+    model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2)
+    chosen = KeepEven() if policy == "custom" else policy
+    opt = SwapOptimizer(
+        model.named_parameters(), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget=host, device_budget=device, policy=chosen, commit_every=0,
+    )  # fmt: skip
+    with opt:
+        _run(ref_model, ref)
+        _run(model, opt)
+        assert_same_params(ref_model, model)
+        stats = opt.tier_stats()
+        assert_same_state(ref.state_dict(), opt.state_dict())
+        tiers = set(opt.placement.values())
+        if placement == "all-device":
+            assert tiers == {"device"}
+            assert stats["device"]["used"] > 0
+            assert stats["device"]["hits"] == 2 * len(opt.slices)  # steps 2 and 3
+            assert stats["host"]["misses"] == len(opt.slices)  # the first step made the state
+            assert stats["nvme"]["bytes_read"] == 0
+        if placement == "device+host+nvme" and policy != "lru":
+            assert tiers == {"device", "host"}
+            assert stats["device"]["hits"] > 0
+            assert stats["host"]["hits"] > 0
+            assert stats["host"]["misses"] > 0  # the rest streams
+        if policy == "lru" and placement != "all-device":
+            assert not opt.placement  # LRU keeps nothing of a cycle larger than the tier
+        if policy == "custom":
+            assert all(index % 2 == 0 for index in opt.placement) or placement == "all-device"
+        for tier in ("device", "host"):
+            assert 0 <= stats[tier]["used"] <= stats[tier]["budget"]
+
+
+def test_resident_slices_are_written_at_commits_only(tmp_path) -> None:
+    """With commit_every=N the resident share is not written between commits."""
+    torch.manual_seed(0)
+    model = Stack()
+    opt = SwapOptimizer(
+        model.named_parameters(), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget=STATE // 2, commit_every=4,
+    )  # fmt: skip
+    with opt:
+        _run(model, opt, steps=1)  # the first step creates the state
+        opt.synchronize()
+        before = opt.tier_stats()["nvme"]["bytes_written"]
+        _run(model, opt, steps=2)  # no commit due
+        opt.synchronize()
+        written = opt.tier_stats()["nvme"]["bytes_written"] - before
+        streamed = [p for p in opt.slices if p.index not in opt.placement]
+        assert opt.placement
+        assert streamed
+        state_of = {p.index: sum(s.numel * 8 for s in p.segments) for p in opt.slices}
+        assert written == 2 * sum(state_of[p.index] for p in streamed)
+
+
+def test_an_lru_instance_is_used_not_its_name(tmp_path) -> None:
+    class Counting(LRUPolicy):
+        calls = 0
+
+        def victim(self, candidates, incoming):
+            Counting.calls += 1
+            return super().victim(candidates, incoming)
+
+    model = Stack()
+    with SwapOptimizer(
+        model.parameters(), swap_dir=tmp_path / "run", host_budget=STATE // 2, policy=Counting()
+    ):
+        assert Counting.calls > 0
