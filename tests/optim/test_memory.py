@@ -46,3 +46,62 @@ def test_peak_rss_is_params_grads_budget_and_small_overhead(tmp_path) -> None:
     # the documented bound: 10% over params + grads + host budget, I/O buffers included
     limit = 1.1 * (params_and_grads + figures["budget"])
     assert figures["peak"] - figures["runtime"] <= limit
+
+
+SLOW_DISK_CHILD = """
+import json, os, resource, sys, threading, time, torch
+sys.path.insert(0, {root!r})
+import tierswap as ts
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+warm = torch.nn.Parameter(torch.zeros(8))
+warm.grad = torch.zeros(8)
+torch.optim.AdamW([warm], fused=True).step()
+runtime = rss()
+params = [torch.nn.Parameter(torch.randn(2_000_000)) for _ in range(12)]
+for p in params:
+    p.grad = torch.randn_like(p)
+budget = 16 << 20
+opt = ts.SwapOptimizer(params, torch.optim.AdamW, fused=True, swap_dir={swap!r},
+                       host_budget=budget, commit_every=0)
+store = opt._backend.store  # a disk of 200 MB/s reads and 100 MB/s writes, one request at a time
+locks = {{"read_file": threading.Lock(), "write_file": threading.Lock()}}
+rates = {{"read_file": 200e6, "write_file": 100e6}}
+class Throttled:
+    def __init__(self, inner):
+        self.inner = inner
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in rates:
+            return attr
+        def call(path, buf, *args, **kwargs):
+            with locks[name]:
+                time.sleep(buf.size / rates[name])
+            return attr(path, buf, *args, **kwargs)
+        return call
+store._engine = store._chunks.engine = Throttled(store._engine)
+for _ in range(2):
+    opt.step()
+    opt.synchronize()
+host = opt.tier_stats()["host"]
+opt.close()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({{"runtime": runtime, "peak": peak, "budget": budget, "host": host}}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_memory_stays_bounded_on_a_slow_disk(tmp_path) -> None:
+    """Every request delayed: reads and writes pile up, yet the ledger never passes the budget
+    and peak RSS stays within runtime + 1.1 x (params + grads + budget)."""
+    code = SLOW_DISK_CHILD.format(root=str(ROOT), swap=str(tmp_path / "swap"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=240
+    ).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    host = figures["host"]
+    assert 0 < host["peak"] <= host["budget"] == figures["budget"]
+    assert host["misses"] > 0  # the state streamed through the throttled disk
+    params_and_grads = 2 * 12 * 2_000_000 * 4
+    assert figures["peak"] - figures["runtime"] <= 1.1 * (params_and_grads + figures["budget"])

@@ -105,4 +105,5 @@ class Ledger:
                 budget=self.budget,
                 bytes_in=self.bytes_in,
                 bytes_out=self.bytes_out,
+                peak=self.peak,
             )

@@ -25,6 +25,7 @@ class TierStats:
     budget: int = 0
     bytes_in: int = 0  # bytes moved into the tier (reads from below, copies from the other tier)
     bytes_out: int = 0  # bytes moved out of it (written down, copied to the other tier)
+    peak: int = 0  # the most ``used`` has been since the tier was made
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
