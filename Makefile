@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0's CPU wheel lies on these machines; pin it so pip never pulls a CUDA build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[dev,bench,hf,lightning]"
+	$(BIN)/python -m pip install -q -e ".[dev,bench,hf,lightning,compact]"
 	touch $(STAMP)
 
 test: $(STAMP)
