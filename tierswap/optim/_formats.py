@@ -2,10 +2,11 @@
 
 The numerics of ``state_precision`` and ``master="remainder"``, on flat tensors; the optimizer's
 slice step decodes a slice's stored arrays into fp32, runs torch's kernel on them and encodes the
-result back. Every function writes into arrays the caller passes (``out=``) when given and
-works through them in pieces of at most ``_PIECE`` elements, so its temporaries stay small
-whatever the slice size. The functions keep no state (the maps and tables they look up are
-computed once and never written), so threads may run them at once on different arrays.
+result back. Every function writes into arrays the caller passes (``out=``) when given
+(returning them as flat views; new 1-D tensors otherwise) and works through them in pieces of
+at most ``_PIECE`` elements, so its temporaries stay small whatever the slice size. The
+functions keep no state (the maps and tables they look up are computed once and never
+written), so threads may run them at once on different arrays.
 
 Moments (``state_precision``)
 -----------------------------
@@ -22,17 +23,17 @@ Moments (``state_precision``)
   Tensors under ``MIN_8BIT_NUMEL`` elements stay fp32, as both libraries keep them.
 
 Why not call torchao's quantizer: the tests compare this one with torchao's
-(``torchao.optim.quant_utils``; same map, same codes, same scales, same dequantised values) and
-it does run on the CPU, but it is not one of tierswap's dependencies, importing it on a CPU-only
-torch tries (and fails, loudly) to load its CUDA extensions, and its functions return new
-tensors: ``quantize_8bit_with_qmap`` makes eight gather passes with int64 temporaries the size
-of the input. Here two look-ups in tables worked out once give the same codes into the
-caller's array, several times faster. Two deliberate differences: torchao floors the scale at
-``1e-12``, which coarsens second moments whose block maximum is under ``1e-12`` (gradients
-under ``1e-6``), where this floor is the smallest normal fp32, there only to keep ``0 / 0``
-out; and the last block may be partial (torchao needs ``numel % block_size == 0``).
-bitsandbytes was not needed: torchao's map is a copy of its ``create_dynamic_map``. A block
-that holds ``inf`` or ``nan`` decodes to non-finite values.
+(``torchao.optim.quant_utils``: same map, codes, scales and dequantised values), which runs on
+the CPU, but torchao is no dependency of tierswap, importing it on a CPU-only torch tries (and
+loudly fails) to load CUDA extensions, and ``quantize_8bit_with_qmap`` returns new tensors after
+eight gather passes with int64 temporaries the size of the input. Here two look-ups in tables
+worked out once write the same codes into the caller's array, tens of times faster. Two
+deliberate differences: torchao floors the scale at ``1e-12``, which coarsens second moments
+whose block maximum is under ``1e-12`` (gradients under ``1e-6``), where this floor is the
+smallest normal fp32, there only to keep ``0 / 0`` out; and the last block may be partial
+(torchao needs ``numel % block_size == 0``). bitsandbytes was not needed: torchao's map is a
+copy of its ``create_dynamic_map``. A block that holds ``inf`` or ``nan`` decodes to
+non-finite values.
 
 Master remainders (``master="remainder"``)
 ------------------------------------------
@@ -41,10 +42,10 @@ difference between the master's bits and the parameter's bits shifted up (Transf
 ``store_param_remainders``). Writing the master's bits as ``high:low`` (16 bits each), the
 parameter is ``high`` when ``low < 0x8000`` and ``high + 1`` otherwise (one bf16 step away from
 zero), and the remainder is ``low`` read as an ``int16``: ``[0, 32767]`` or ``[-32768, -1]``.
-A signed 16-bit remainder cannot hold both ties of round-half-even (``0x8000`` and
-``-0x8000`` would both be needed), so the parameter is the master rounded half away from zero
-("half up" in magnitude, :func:`round_half_up_bf16`): it equals torch's ``.to(torch.bfloat16)``
-except where ``low == 0x8000`` and ``high`` is even, where it is one bf16 step further from zero.
+Round-half-even would need a remainder of ``+0x8000`` at the ties it rounds down, one more
+than an int16 holds, so every tie rounds away from zero (:func:`round_half_up_bf16`): the
+parameter is torch's ``.to(torch.bfloat16)`` except where ``low == 0x8000`` and ``high`` is
+even, where it is one bf16 step further from zero.
 :func:`join` of :func:`split` gives the master back bit for bit for every fp32 that is not
 NaN: finite values (subnormals, ``-0.0`` included), ``±inf`` (remainder 0), and finite values
 above the largest bf16 (a parameter of ``±inf``, as torch's cast gives, and the master intact).
@@ -187,11 +188,6 @@ class MomentFormat:
             precision = "fp32"
         return cls(precision, not is_unsigned(state_name), block_size, stochastic)
 
-    @property
-    def bytes_per_element(self) -> float:
-        """Stored bytes per element, scales included."""
-        return bytes_per_element(self.precision, self.block_size)
-
     def arrays(self, state_name: str, numel: int) -> list[StoredArray]:
         """The arrays that store state ``state_name`` of ``numel`` elements, in the order
         :meth:`encode` and :meth:`decode` take them."""
@@ -241,12 +237,11 @@ class MomentFormat:
         """fp32 values of ``stored`` written into ``out`` (returned)."""
         _check_count(stored, 2 if self.precision == "8bit" else 1)
         if self.precision == "8bit":
-            return decode_8bit(
-                stored[0], stored[1], out, signed=self.signed, block_size=self.block_size
-            )
-        if self.precision == "bf16":
-            return decode_bf16(stored[0], out)
-        _flat(out, torch.float32, "out").copy_(_flat(stored[0], torch.float32, "stored"))
+            decode_8bit(stored[0], stored[1], out, signed=self.signed, block_size=self.block_size)
+        elif self.precision == "bf16":
+            decode_bf16(stored[0], out)
+        else:
+            _flat(out, torch.float32, "out").copy_(_flat(stored[0], torch.float32, "stored"))
         return out
 
 
@@ -286,11 +281,9 @@ def encode_bf16(
     src = _flat(x, torch.float32, "x")
     dst = _result(out, src.numel(), torch.bfloat16, "out", src.device)
     if not stochastic:
-        dst.copy_(src)
-        return dst
+        return dst.copy_(src)
     src_bits = src.view(torch.int32)
-    noise = torch.empty(min(src.numel(), _PIECE), dtype=torch.int32, device=src.device)
-    nan = torch.empty(noise.numel(), dtype=torch.bool, device=src.device)
+    noise, nan = _scratch(min(src.numel(), _PIECE), src.device, torch.int32, torch.bool)
     for lo, hi in _pieces(src.numel(), 1):
         bits, is_nan = noise[: hi - lo], nan[: hi - lo]
         bits.random_(0, 1 << 16, generator=generator)
@@ -306,9 +299,7 @@ def encode_bf16(
 def decode_bf16(stored: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 ``stored`` as fp32 into ``out`` (returned); exact."""
     src = _flat(stored, torch.bfloat16, "stored")
-    dst = _result(out, src.numel(), torch.float32, "out", src.device)
-    dst.copy_(src)
-    return dst
+    return _result(out, src.numel(), torch.float32, "out", src.device).copy_(src)
 
 
 # --- 8-bit -------------------------------------------------------------------------------------
@@ -375,35 +366,17 @@ def _code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _nearest_codes(
-    scaled: torch.Tensor, out: torch.Tensor, signed: bool, scratch: _CodeScratch
+    scaled: torch.Tensor, out: torch.Tensor, signed: bool, scratch: Sequence[torch.Tensor]
 ) -> None:
     """``out`` (uint8) = the codes of the map entries nearest to ``scaled`` (see
-    :func:`_code_tables`)."""
+    :func:`_code_tables`), with ``scratch`` int32, fp32 and bool arrays at least as long."""
     base, step = (t.to(scaled.device) for t in _code_tables(signed))
-    n = scaled.numel()
-    upper, threshold, up = scratch.upper[:n], scratch.threshold[:n], scratch.up[:n]
+    upper, threshold, up = (t[: scaled.numel()] for t in scratch)
     torch.bitwise_right_shift(scaled.view(torch.int32), 16, out=upper).bitwise_and_(0xFFFF)
     torch.index_select(base, 0, upper, out=out)
     torch.index_select(step, 0, upper, out=threshold)
     torch.ge(scaled, threshold, out=up)
     out.add_(up)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CodeScratch:
-    """Per-call work arrays of :func:`encode_8bit`, one piece long."""
-
-    scaled: torch.Tensor
-    upper: torch.Tensor
-    threshold: torch.Tensor
-    up: torch.Tensor
-
-    @classmethod
-    def empty(cls, numel: int, device: torch.device) -> _CodeScratch:
-        return cls(*(torch.empty(numel, dtype=dtype, device=device) for dtype in _SCRATCH_DTYPES))
-
-
-_SCRATCH_DTYPES = (torch.float32, torch.int32, torch.float32, torch.bool)
 
 
 def encode_8bit(
@@ -422,10 +395,11 @@ def encode_8bit(
     n = src.numel()
     codes_out = _result(codes, n, torch.uint8, "codes", src.device)
     absmax_out = _result(absmax, num_blocks(n, block_size), torch.float32, "absmax", src.device)
-    scratch = _CodeScratch.empty(min(n, _piece_len(block_size)), src.device)
+    dtypes = (torch.float32, torch.int32, torch.float32, torch.bool)
+    scaled, *scratch = _scratch(min(n, _piece_len(block_size)), src.device, *dtypes)
     for lo, hi in _pieces(n, block_size):
         blocks = absmax_out[lo // block_size : num_blocks(hi, block_size)]
-        work = scratch.scaled[: hi - lo]
+        work = scaled[: hi - lo]
         torch.abs(src[lo:hi], out=work)
         _block_amax(work, blocks, block_size)
         blocks.clamp_min_(_SCALE_FLOOR)
@@ -455,7 +429,7 @@ def decode_8bit(
         )
     dst = _result(out, n, torch.float32, "out", src.device)
     qmap = quantization_map(signed).to(src.device)
-    index = torch.empty(min(n, _piece_len(block_size)), dtype=torch.int32, device=src.device)
+    (index,) = _scratch(min(n, _piece_len(block_size)), src.device, torch.int32)
     for lo, hi in _pieces(n, block_size):
         idx = index[: hi - lo]
         idx.copy_(src[lo:hi])
@@ -500,28 +474,8 @@ def round_half_up_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     parameter :func:`split` makes (torch's cast rounds ties to even)."""
     src = _flat(x, torch.float32, "x")
     dst = _result(out, src.numel(), torch.bfloat16, "out", src.device)
-    low, high = _halves(src)
-    dst_bits = dst.view(torch.int16)
-    carry, nan = _carry_scratch(src)
-    for lo, hi in _pieces(src.numel(), 1):
-        _round_half_up_bits(src[lo:hi], low[lo:hi], high[lo:hi], dst_bits[lo:hi], (carry, nan))
+    _split_bits(src, dst.view(torch.int16), None)
     return dst
-
-
-def _round_half_up_bits(
-    master: torch.Tensor,
-    low: torch.Tensor,
-    high: torch.Tensor,
-    out: torch.Tensor,
-    scratch: tuple[torch.Tensor, torch.Tensor],
-) -> None:
-    """``out = high + 1`` where ``low >= 0x8000`` (negative as int16), else ``high``; bf16's NaN
-    where ``master`` is NaN (``high`` alone can be inf, and ``high + 1`` can wrap to zero)."""
-    carry, nan = (t[: low.numel()] for t in scratch)
-    torch.bitwise_right_shift(low, 15, out=carry)  # -1 where low >= 0x8000, else 0
-    torch.sub(high, carry, out=out)
-    torch.ne(master, master, out=nan)
-    out.masked_fill_(nan, _BF16_NAN_BITS)
 
 
 def split(
@@ -532,16 +486,28 @@ def split(
     """fp32 ``master`` as a bf16 ``param`` (:func:`round_half_up_bf16`) and an int16
     ``remainder``, written into the tensors given (both returned); :func:`join` undoes it."""
     src = _flat(master, torch.float32, "master")
-    n = src.numel()
-    param_out = _result(param, n, torch.bfloat16, "param", src.device)
-    remainder_out = _result(remainder, n, torch.int16, "remainder", src.device)
-    low, high = _halves(src)
-    param_bits = param_out.view(torch.int16)
-    carry, nan = _carry_scratch(src)
-    for lo, hi in _pieces(n, 1):
-        _round_half_up_bits(src[lo:hi], low[lo:hi], high[lo:hi], param_bits[lo:hi], (carry, nan))
-        remainder_out[lo:hi].copy_(low[lo:hi])
+    param_out = _result(param, src.numel(), torch.bfloat16, "param", src.device)
+    remainder_out = _result(remainder, src.numel(), torch.int16, "remainder", src.device)
+    _split_bits(src, param_out.view(torch.int16), remainder_out)
     return param_out, remainder_out
+
+
+def _split_bits(
+    master: torch.Tensor, param_bits: torch.Tensor, remainder: torch.Tensor | None
+) -> None:
+    """``param_bits`` = the master's upper half, plus 1 where its lower half is ``>= 0x8000``
+    (negative as int16), and bf16's NaN where the master is NaN (its upper half alone can be
+    inf, plus 1 can wrap it to zero); ``remainder`` = the lower half."""
+    low, high = _halves(master)
+    carry, nan = _scratch(min(master.numel(), _PIECE), master.device, torch.int16, torch.bool)
+    for lo, hi in _pieces(master.numel(), 1):
+        up, is_nan, out = carry[: hi - lo], nan[: hi - lo], param_bits[lo:hi]
+        torch.bitwise_right_shift(low[lo:hi], 15, out=up)  # -1 where low >= 0x8000, else 0
+        torch.sub(high[lo:hi], up, out=out)
+        torch.ne(master[lo:hi], master[lo:hi], out=is_nan)
+        out.masked_fill_(is_nan, _BF16_NAN_BITS)
+        if remainder is not None:
+            remainder[lo:hi].copy_(low[lo:hi])
 
 
 def join(
@@ -558,20 +524,12 @@ def join(
         )
     dst = _result(out, rem.numel(), torch.float32, "out", rem.device)
     dst_bits = dst.view(torch.int32)
-    shifted = torch.empty(min(rem.numel(), _PIECE), dtype=torch.int32, device=rem.device)
+    (shifted,) = _scratch(min(rem.numel(), _PIECE), rem.device, torch.int32)
     for lo, hi in _pieces(rem.numel(), 1):
         work = shifted[: hi - lo]
         work.copy_(param_bits[lo:hi]).bitwise_left_shift_(16)
         torch.add(work, rem[lo:hi], out=dst_bits[lo:hi])  # wraps as the bits of a sum should
     return dst
-
-
-def _carry_scratch(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    numel = min(master.numel(), _PIECE)
-    return (
-        torch.empty(numel, dtype=torch.int16, device=master.device),
-        torch.empty(numel, dtype=torch.bool, device=master.device),
-    )
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -585,6 +543,11 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _piece_len(block_size: int) -> int:
     return max(_PIECE // block_size, 1) * block_size
+
+
+def _scratch(numel: int, device: torch.device, *dtypes: torch.dtype) -> list[torch.Tensor]:
+    """Work arrays of ``numel`` elements, one per dtype."""
+    return [torch.empty(numel, dtype=dtype, device=device) for dtype in dtypes]
 
 
 def _pieces(numel: int, block_size: int) -> Iterator[tuple[int, int]]:
