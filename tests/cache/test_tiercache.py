@@ -362,7 +362,7 @@ def test_stats_counts(make: Callable[..., TierCache], filled: LoggingStore) -> N
     d = cache.stats().as_dict()
     assert d["host"] == {
         "hits": 1, "misses": 1, "used": PAGE, "budget": len(KEYS) * PAGE,
-        "bytes_in": ITEM * 4, "bytes_out": 0, "peak": 0,
+        "bytes_in": ITEM * 4, "bytes_out": 0, "peak": PAGE,
     }  # fmt: skip
     assert d["nvme"]["bytes_read"] == PAGE
     assert d["nvme"]["bytes_written"] == 0

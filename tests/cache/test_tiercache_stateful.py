@@ -124,10 +124,13 @@ class CacheMachine(RuleBasedStateMachine):
         stats = self.cache.stats()
         assert stats.device.used <= self.budgets["device"]
         assert stats.host.used <= self.budgets["host"]
-        with self.cache._cv:  # white-box: the counter matches what the tiers hold
+        with self.cache._cv:  # white-box: each ledger's count matches what the tiers hold
             for tier in self.cache._tiers.values():
                 held = sum(e.size for e in tier.entries.values())
                 assert tier.used == held + tier.writing + sum(tier.earmarks.values())
+                assert tier.used == tier.ledger.used <= tier.ledger.budget
+                assert tier.balanced()
+                tier.check()
 
     def teardown(self) -> None:
         try:

@@ -1,20 +1,23 @@
-"""Bookkeeping of one memory tier: its entries, its byte budget, and the choice of victims.
+"""The books of one memory tier: its entries, and the bytes its engine ledger holds for them.
 
-Private to :mod:`tierswap.cache`. Nothing here locks: :class:`TierCache` holds its lock around
-every call.
+Private to :mod:`tierswap.cache`. Nothing here takes the cache's lock on its own: the cache holds
+it around every call (the ledger takes the same, reentrant, lock again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import torch
 
 from tierswap.config import ALIGN, round_up
+from tierswap.engine import Ledger
 from tierswap.engine.policies import EvictionPolicy
-from tierswap.io import aligned_empty
-from tierswap.tiers import HOST, MEMORY_TIERS, TierName
+from tierswap.tiers import MEMORY_TIERS, TierName
 
 TIERS = MEMORY_TIERS
 
@@ -82,32 +85,182 @@ class WriteBack:
 
 
 class Tier:
-    """A budget and the entries that use it (plus bytes of write-backs still in flight)."""
+    """One memory tier of a cache: a :class:`~tierswap.engine.Ledger` and views over its bytes.
 
-    def __init__(self, name: TierName, budget: int) -> None:
+    The ledger owns ``used`` and ``budget`` (its invariant ``0 <= used <= budget``) and the
+    counters (``hits``, ``misses``, ``bytes_in``, ``bytes_out``); every change of ``used`` is one
+    of its ``try_reserve`` / ``release`` calls. The cache refines what those bytes are for:
+
+    - ``resident``: the sizes of ``entries`` (items ready, being read in, or being flushed);
+    - ``writing``: dirty victims being written down (their bytes free once the store has them);
+    - ``promised``: the part of ``writing`` evicted to make room for a key, by that key;
+    - ``earmarks``: bytes of written victims set aside for the key they were evicted for, until
+      that key's read takes them (so a read never takes room another one is waiting for).
+
+    **Invariant**, checked after every change here::
+
+        resident + writing + sum(earmarks) <= used <= budget
+        sum(promised) <= writing;   every earmark and promise > 0;   demand_waiting >= 0
+
+    with equality on the left whenever the cache's lock is free (:meth:`balanced`): bytes are
+    reserved just before an entry joins and released just after one leaves, under one holding
+    of the lock. ``demand_waiting`` counts callers blocked until bytes free up here (they go
+    before prefetches).
+    """
+
+    def __init__(
+        self, name: TierName, budget: int, cv: threading.Condition, device: torch.device
+    ) -> None:
         self.name = name
-        self.budget = budget
-        self.used = 0  # resident + loading + writing back; never above budget
-        self.writing = 0  # part of `used` that write-backs in flight will free
-        self.demand_waiting = 0  # callers blocked until bytes free up here (they go first)
-        # Bytes of dirty victims evicted to make room for a key: in flight (`promised`, part
-        # of `writing`), then written and set aside for that key (`earmarks`, part of `used`).
+        self.ledger = Ledger(name, budget, cv)
+        self.device = device  # where this tier's buffers live (the CPU for host memory)
+        self.entries: dict[str, Entry] = {}
+        self.resident = 0
+        self.writing = 0
         self.promised: dict[str, int] = {}
         self.earmarks: dict[str, int] = {}
-        self.entries: dict[str, Entry] = {}
-        self.hits = 0
-        self.misses = 0
-        self.bytes_in = 0  # read in from the store, or moved in from the other tier
-        self.bytes_out = 0  # written down to the store, or moved out to the other tier
+        self.demand_waiting = 0
+
+    # ------------------------------------------------------------ what the ledger holds
+    @property
+    def budget(self) -> int:
+        return self.ledger.budget
 
     @property
-    def enabled(self) -> bool:
-        return self.budget > 0
+    def used(self) -> int:
+        return self.ledger.used
 
     @property
     def free(self) -> int:
-        return self.budget - self.used
+        return self.ledger.free
 
+    @property
+    def enabled(self) -> bool:
+        return self.ledger.budget > 0
+
+    def room(self, key: str | None) -> int:
+        """Bytes ``key`` may take now: the free bytes and those earmarked for it."""
+        return self.ledger.free + (self.earmarks.get(key, 0) if key is not None else 0)
+
+    def coming(self, key: str, size: int) -> bool:
+        """True when the room ``key`` needs is free, earmarked, or on its way (write-backs)."""
+        return self.room(key) + self.promised.get(key, 0) >= size
+
+    def take(self, size: int, key: str | None = None) -> bool:
+        """Reserve ``size`` bytes, first out of those earmarked for ``key`` (the rest of its
+        earmark is freed); ``False`` when they are not there."""
+        if self.room(key) < size:
+            return False
+        mine = self.earmarks.pop(key, 0) if key is not None else 0
+        if size >= mine:
+            taken = self.ledger.try_reserve(size - mine)
+        else:
+            self.ledger.release(mine - size)
+            taken = True
+        self.check()
+        return taken
+
+    # ------------------------------------------------------------ entries
+    def add(self, entry: Entry) -> None:
+        """``entry`` joins the tier; its bytes were reserved before (:meth:`take`)."""
+        self.entries[entry.key] = entry
+        self.resident += entry.size
+        self.check()
+
+    def remove(self, entry: Entry) -> None:
+        """``entry`` leaves the tier; its bytes stay reserved (the caller moves them on)."""
+        del self.entries[entry.key]
+        self.resident -= entry.size
+        self.check()
+
+    def discard(self, entry: Entry) -> None:
+        """``entry`` leaves the tier and its bytes return to the budget."""
+        self.remove(entry)
+        self.ledger.release(entry.size)
+
+    # ------------------------------------------------------------ write-backs
+    def start_write(self, entry: Entry, for_key: str | None) -> None:
+        """``entry`` leaves to be written down; its bytes count until the write ends, promised
+        to ``for_key`` when it was evicted to make room for that key."""
+        self.remove(entry)
+        self.writing += entry.size
+        if for_key is not None:
+            self.promised[for_key] = self.promised.get(for_key, 0) + entry.size
+        self.check()
+
+    def end_write(self, wb: WriteBack, *, failed: bool, earmark: bool) -> None:
+        """A write-back ended: a failed one's entry comes back (dirty); a written victim's bytes
+        are earmarked for the key it made room for (``earmark``), or freed."""
+        size, for_key = wb.entry.size, wb.for_key
+        self.writing -= size
+        if for_key is not None:
+            self.promised[for_key] -= size
+            if not self.promised[for_key]:
+                del self.promised[for_key]
+        if failed:
+            self.add(wb.entry)
+        elif earmark and for_key is not None:
+            self.earmarks[for_key] = self.earmarks.get(for_key, 0) + size
+            self.check()
+        else:
+            self.ledger.release(size)
+            self.check()
+
+    def release_earmarks(self, keep: Callable[[str], bool]) -> bool:
+        """Free the bytes earmarked for keys ``keep`` rejects; whether there were any."""
+        dropped = [key for key in self.earmarks if not keep(key)]
+        for key in dropped:
+            self.ledger.release(self.earmarks.pop(key))
+        self.check()
+        return bool(dropped)
+
+    @contextlib.contextmanager
+    def demanded(self) -> Iterator[None]:
+        """Count a caller blocked until bytes free up here, for the block."""
+        self.demand_waiting += 1
+        try:
+            yield
+        finally:
+            self.demand_waiting -= 1
+            self.check()
+
+    def clear(self) -> None:
+        """Drop every entry and earmark and free their bytes (the cache is closing, settled)."""
+        if not self.balanced():
+            raise AssertionError(f"{self.name} tier: books out of balance at close: {self!r}")
+        self.entries.clear()
+        self.earmarks.clear()
+        self.resident = 0
+        self.ledger.release(self.ledger.used)
+
+    # ------------------------------------------------------------ the invariant
+    def check(self) -> None:
+        """Raise when the invariant in the class docstring does not hold."""
+        earmarked = sum(self.earmarks.values())
+        ok = (
+            min(self.resident, self.writing, self.demand_waiting) >= 0
+            and self.resident + self.writing + earmarked <= self.ledger.used
+            and sum(self.promised.values()) <= self.writing
+            and all(n > 0 for n in (*self.earmarks.values(), *self.promised.values()))
+        )
+        if not ok:
+            raise AssertionError(f"{self.name} tier: books out of balance: {self!r}")
+
+    def balanced(self) -> bool:
+        """The invariant's settled form, recounted from the entries: every byte the ledger holds
+        is an entry's, a write-back's or an earmark's (true whenever the lock is free)."""
+        held = sum(e.size for e in self.entries.values())
+        total = held + self.writing + sum(self.earmarks.values())
+        return held == self.resident and total == self.ledger.used
+
+    def __repr__(self) -> str:
+        return (
+            f"Tier({self.name}, used={self.ledger.used}, budget={self.ledger.budget}, "
+            f"resident={self.resident}, writing={self.writing}, earmarks={self.earmarks}, "
+            f"promised={self.promised}, demand_waiting={self.demand_waiting})"
+        )
+
+    # ------------------------------------------------------------ choosing victims
     def pinned_bytes(self) -> int:
         return sum(e.size for e in self.entries.values() if e.pins)
 
@@ -147,9 +300,3 @@ class Tier:
         if entry.state != READY or entry.held or (clean_only and entry.dirty):
             return None
         return entry
-
-    def allocate(self, meta: Meta, device: torch.device) -> torch.Tensor:
-        """A buffer for ``meta`` in this tier (the caller has reserved the bytes)."""
-        if self.name == HOST or device.type == "cpu":
-            return aligned_empty(meta.shape, meta.dtype, pin=None if self.name == HOST else False)
-        return torch.empty(meta.shape, dtype=meta.dtype, device=device)

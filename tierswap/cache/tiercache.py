@@ -4,8 +4,18 @@ Every item lives in at most one memory tier at a time (the tiers are exclusive) 
 down, in the store. Budgets count whole 4 KiB pages and are hard limits: bytes being read in and
 dirty bytes being written down count until the I/O finishes.
 
-The public API and the get/put paths live here; budgets, eviction, prefetching and the I/O
-plumbing in :mod:`tierswap.cache._core`.
+The cache is composed of the engine's parts and four small private ones, each owning its state:
+
+- :class:`~tierswap.cache._tiers.Tier` (one per memory tier): an engine
+  :class:`~tierswap.engine.Ledger` (``used``/``budget``, hits, misses, bytes in and out) and the
+  entries and write-backs that its bytes are held for;
+- :class:`~tierswap.cache._core.CacheCore`: which item is where, room and eviction (the
+  engine's policy decides), moves between tiers, and the I/O that fills and empties them
+  (buffers from :func:`tierswap.engine.allocate`);
+- :class:`~tierswap.cache._prefetch.Prefetcher`: the prefetch and read-ahead queues;
+- :class:`~tierswap.cache._gate.Gate`: the one lock, the store calls run outside it, the pump.
+
+The public API and the get/put paths live here.
 """
 
 from __future__ import annotations
@@ -20,20 +30,11 @@ import torch
 
 from tierswap._lifetime import close_at_exit
 from tierswap.cache._core import CacheCore, CacheStore
-from tierswap.cache._tiers import (
-    FAILED,
-    FLUSHING,
-    LOADING,
-    READY,
-    TIERS,
-    Entry,
-    Meta,
-    Tier,
-    WriteBack,
-)
+from tierswap.cache._gate import Gate
+from tierswap.cache._prefetch import Prefetcher
+from tierswap.cache._tiers import FAILED, FLUSHING, LOADING, READY, TIERS, Entry, Meta, Tier
 from tierswap.config import format_size, parse_size
-from tierswap.engine.policies import EvictionPolicy, make_policy
-from tierswap.engine.stats import CacheStats, TierStats
+from tierswap.engine import CacheStats, EvictionPolicy, make_policy
 from tierswap.errors import (
     InvalidTensorError,
     KeyNotFoundError,
@@ -46,10 +47,9 @@ __all__ = ["TierCache"]
 
 
 TierArg = Literal["device", "host"] | None
-_DONE, _PENDING, _BLOCKED = "done", "pending", "blocked"  # outcomes of one prefetch attempt
 
 
-class TierCache(CacheCore):
+class TierCache:
     """A byte-budgeted device / host cache over a :class:`~tierswap.SwapStore`.
 
     Parameters
@@ -68,10 +68,22 @@ class TierCache(CacheCore):
     -----
     Items larger than a tier's budget skip that tier when the cache places them itself
     (``put``/``get`` with ``tier=None``, prefetches, demotions); naming that tier explicitly
-    raises :class:`~tierswap.errors.BudgetError`. ``get``, ``put``, ``prefetch`` and the rest
-    are safe to call from many threads at once. A tensor returned by ``get`` stays valid until
+    raises :class:`~tierswap.errors.BudgetError`. A tensor returned by ``get`` stays valid until
     the item is evicted; to modify it in place, hold it with :meth:`pinned`, then call
     :meth:`mark_dirty`.
+
+    Each tier's bytes are an engine :class:`~tierswap.engine.Ledger` (``0 <= used <= budget``
+    at every instant); :meth:`stats` reports the ledgers.
+
+    Thread safety: ``get``, ``put``, ``prefetch`` and the rest are safe to call from many
+    threads at once. One lock (the :class:`~tierswap.cache._gate.Gate`'s, shared by the tiers'
+    ledgers) guards all state; no call holds it twice (only the ledgers re-enter it), so a
+    wait releases it whole. What runs outside it: the store calls
+    that start reads and writes or look up metadata (queued under the lock, started right after
+    it is released, by the calling thread or the cache's pump thread), the I/O itself on the
+    store's threads, and whatever a ``with pinned(...)`` block does with its tensor. I/O
+    completions take the lock only to update state and wake waiters; the pump thread then plans
+    the prefetches the freed bytes allow.
     """
 
     def __init__(
@@ -84,12 +96,22 @@ class TierCache(CacheCore):
         policy: str | EvictionPolicy = "lru",
     ) -> None:
         default = "cuda" if torch.cuda.is_available() else "cpu"
-        tiers: dict[TierName, Tier] = {
-            DEVICE: Tier(DEVICE, parse_size(device_budget, name="device_budget")),
-            HOST: Tier(HOST, parse_size(host_budget, name="host_budget")),
+        self.store = store
+        self.device = torch.device(device if device is not None else default)
+        self._gate = Gate()
+        self._cv = self._gate.cv
+        self._tiers: dict[TierName, Tier] = {
+            DEVICE: Tier(
+                DEVICE, parse_size(device_budget, name="device_budget"), self._cv, self.device
+            ),
+            HOST: Tier(
+                HOST, parse_size(host_budget, name="host_budget"), self._cv, torch.device("cpu")
+            ),
         }
-        chosen = torch.device(device if device is not None else default)
-        super().__init__(store, make_policy(policy), chosen, tiers)
+        self.policy = make_policy(policy)
+        self._prefetch = Prefetcher()
+        self._core = CacheCore(store, self.policy, self._tiers, self._gate, self._prefetch.queued)
+        self._gate.start(self._plan)
         close_at_exit(self)
 
     # ----------------------------------------------------------------- public API
@@ -125,7 +147,7 @@ class TierCache(CacheCore):
                 if not entry.pinners[me]:
                     del entry.pinners[me]
                 entry.dirty = entry.dirty or dirty
-                self._wake_pump()
+                self._gate.wake()
 
     def put(self, key: str, tensor: torch.Tensor, tier: TierArg | Literal["nvme"] = None) -> None:
         """Store a copy of ``tensor`` under ``key`` at ``tier`` (dirty until written down).
@@ -140,16 +162,16 @@ class TierCache(CacheCore):
         meta = Meta.of(tensor)
         target = self._put_target(key, meta, tier)
         with self._cv:
-            self._check_open()
+            self._gate.check_open()
             self._settle_key(key, allow_pinned=target != NVME)
-            self._meta[key] = meta
+            self._core.meta[key] = meta
             self.policy.access(key)
             if target != NVME:
                 self._put_in_tier(key, tensor, meta, target)
-                self._queue_lookahead(target)
-            else:  # reads of the key wait (as for a write-back) until the store has it
-                self._writing[key] = WriteBack(Entry(key, meta, HOST, tensor))
-        self._drain()
+                self._read_ahead(target)
+            else:
+                self._core.begin_write_through(key, meta, tensor)
+        self._gate.drain()
         if target == NVME:
             self._write_through(key, tensor, meta)
 
@@ -161,12 +183,7 @@ class TierCache(CacheCore):
             ok = True
         finally:
             with self._cv:
-                del self._writing[key]
-                if ok:
-                    self._count_io("written", meta.nbytes)
-                else:  # the store still holds the old value: look its shape up again
-                    self._meta.pop(key, None)
-                self._wake_pump()
+                self._core.end_write_through(key, meta, ok=ok)
 
     def prefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.
@@ -176,19 +193,17 @@ class TierCache(CacheCore):
         """
         keys = [validate_key(k) for k in keys]
         for key in keys:
-            self._meta_for(key)
+            self._core.meta_for(key)
         with self._cv:
-            self._check_open()
-            target = self._tier_for(None if tier is None else tier, None)
-            queued = set(self._explicit)
-            self._explicit.extend((k, target) for k in keys if (k, target) not in queued)
-            self._plan_prefetches()
-        self._drain()
+            self._gate.check_open()
+            self._prefetch.add(keys, self._core.tier_for(tier, None))
+            self._plan()
+        self._gate.drain()
 
     def mark_dirty(self, key: str) -> None:
         """Record that the cached tensor of ``key`` was modified in place."""
         with self._cv:
-            entry = self._find(key)
+            entry = self._core.find(key)
             if entry is None or entry.state not in (READY, FLUSHING):
                 raise KeyNotFoundError(
                     f"mark_dirty({key!r}): the item is not cached (evicted?); modify cached "
@@ -199,26 +214,26 @@ class TierCache(CacheCore):
     def evict(self, key: str) -> None:
         """Drop ``key`` from the memory tiers, writing it down first when dirty (blocks)."""
         with self._cv:
-            self._check_open()
-            while (entry := self._find(key)) is not None:
+            self._gate.check_open()
+            while (entry := self._core.find(key)) is not None:
                 if entry.pins:
                     raise PinnedError(f"evict({key!r}): the item is pinned; leave pinned() first")
                 if entry.state == READY and not entry.claims:
-                    self._evict(entry, demote=False)
+                    self._core.evict(entry, demote=False)
                 else:
-                    self._wait()
-            while key in self._writing:
-                self._wait()
-            self._raise_errors()
+                    self._gate.wait()
+            while key in self._core.write_backs:
+                self._gate.wait()
+            self._core.raise_errors()
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the cache and the store (no write-back)."""
         with self._cv:
-            self._check_open()
+            self._gate.check_open()
             cached = self._settle_key(key, allow_pinned=False)
-            self._drop_queued(key)
+            self._prefetch.drop(key)
             self.policy.forget(key)
-            self._meta.pop(key, None)
+            self._core.meta.pop(key, None)
         try:
             self.store.delete(key)
         except KeyNotFoundError:
@@ -232,34 +247,31 @@ class TierCache(CacheCore):
         Do not modify cached tensors while ``flush`` runs.
         """
         with self._cv:
-            self._check_open()
-            flushing = self._start_flush()
-            while self._writing or any(e.state == FLUSHING for e in flushing):
-                self._wait()
-            self._raise_errors()
+            self._gate.check_open()
+            flushing = self._core.start_flush()
+            while self._core.write_backs or any(e.state == FLUSHING for e in flushing):
+                self._gate.wait()
+            self._core.raise_errors()
 
     def stats(self) -> CacheStats:
-        """A snapshot of hits, misses, bytes used per tier, NVMe bytes and stall time."""
+        """A snapshot of hits, misses, bytes used per tier (the tiers' ledgers), NVMe bytes and
+        stall time."""
         with self._cv:
-            tiers = {
-                name: TierStats(t.hits, t.misses, t.used, t.budget, t.bytes_in, t.bytes_out)
-                for name, t in self._tiers.items()
-            }
-            c = self._counters
+            disk = self._core.disk
             return CacheStats(
-                tiers[DEVICE],
-                tiers[HOST],
-                c["bytes_read"],
-                c["bytes_written"],
-                c["reads"],
-                c["writes"],
-                self._stall,
+                device=self._tiers[DEVICE].ledger.stats(),
+                host=self._tiers[HOST].ledger.stats(),
+                nvme_bytes_read=disk["bytes_read"],
+                nvme_bytes_written=disk["bytes_written"],
+                nvme_reads=disk["reads"],
+                nvme_writes=disk["writes"],
+                stall_seconds=self._gate.stall_seconds,
             )
 
     def where(self, key: str) -> str | None:
         """``"device"``, ``"host"`` (resident or being read in), or ``None``."""
         with self._cv:
-            entry = self._find(key)
+            entry = self._core.find(key)
             return entry.tier if entry is not None else None
 
     def close(self) -> None:
@@ -267,21 +279,18 @@ class TierCache(CacheCore):
 
         The store stays open (it belongs to the caller).
         """
-        if self._closed:
+        if self._gate.closed:
             return
         try:
             self.flush()
         finally:
             with self._cv:
-                while any(t.unsettled() for t in self._tiers.values()) or self._writing:
-                    self._wait()
-                self._closed = True
+                while any(t.unsettled() for t in self._tiers.values()) or self._core.write_backs:
+                    self._gate.wait()
+                self._gate.close()
                 for t in self._tiers.values():
-                    t.entries.clear()
-                    t.earmarks.clear()
-                    t.used = 0
-                self._cv.notify_all()
-            self._pump.join()
+                    t.clear()
+            self._gate.join()
 
     def __enter__(self) -> TierCache:
         return self
@@ -291,7 +300,9 @@ class TierCache(CacheCore):
 
     def __contains__(self, key: object) -> bool:
         with self._cv:
-            if isinstance(key, str) and (self._find(key) is not None or key in self._writing):
+            if isinstance(key, str) and (
+                self._core.find(key) is not None or key in self._core.write_backs
+            ):
                 return True
         return key in self.store
 
@@ -318,26 +329,35 @@ class TierCache(CacheCore):
         await asyncio.to_thread(self.prefetch, list(keys), tier)
 
     # ------------------------------------------------------- get / pinned path
+    def _plan(self) -> None:
+        """Start the prefetches the queues allow now (lock held; never waits)."""
+        self._prefetch.plan(self._core)
+
+    def _read_ahead(self, tier: TierName) -> None:
+        """After an access: read ahead what the policy expects next, into ``tier``."""
+        self._prefetch.follow(self.policy.upcoming(), tier)
+        self._plan()
+
     @contextlib.contextmanager
     def _claimed(self, key: str, tier: TierArg) -> Iterator[Entry]:
         """The ready entry of ``key`` at ``tier``, held (not evictable) for the block."""
         key = validate_key(key)
-        meta = self._meta_for(key)
+        meta = self._core.meta_for(key)
         with self._cv:
-            self._check_open()
-            target = self._tier_for(tier, meta, key)
-            self._count_lookup(key, target)
+            self._gate.check_open()
+            target = self._core.tier_for(tier, meta, key)
+            self._core.count_lookup(key, target)
             self.policy.access(key)
             entry = self._acquire(key, target)
             entry.claims += 1
-            self._queue_lookahead(target)
-        self._drain()
+            self._read_ahead(target)
+        self._gate.drain()
         try:
             yield entry
         finally:
             with self._cv:
                 entry.claims -= 1
-                self._wake_pump()
+                self._gate.wake()
 
     def _acquire(self, key: str, target: TierName) -> Entry:
         """Wait until ``key`` is ready at ``target``; start the read or move it there."""
@@ -345,8 +365,8 @@ class TierCache(CacheCore):
         owned: Entry | None = None  # a read this call started; claimed until it is ready
         try:
             while True:
-                self._raise_errors()
-                entry = self._find(key)
+                self._core.raise_errors()
+                entry = self._core.find(key)
                 if entry is None and waited is not None and waited.state == FAILED:
                     raise waited.error  # type: ignore[misc]
                 if entry is not None and entry is owned and entry.state == READY:
@@ -359,86 +379,50 @@ class TierCache(CacheCore):
                         owned = entry
                         entry.claims += 1
                     waited = entry
-                    self._wait()
+                    self._gate.wait()
                 elif entry.tier == target:
                     return entry
-                elif entry.pins:
-                    self._wait_for_unpin(entry, target)
-                elif entry.state == READY and not entry.claims:
-                    self._move(entry, target, prefetch=False)
                 else:
-                    self._wait()
+                    self._move_to(entry, target)
         finally:
             if owned is not None:
                 owned.claims -= 1
 
+    def _move_to(self, entry: Entry, target: TierName) -> None:
+        """One step of moving a ready entry to ``target``: the move, or a wait for it."""
+        if entry.pins:
+            self._wait_for_unpin(entry, target)
+        elif entry.state == READY and not entry.claims:
+            self._core.move(entry, target, prefetch=False)
+        else:
+            self._gate.wait()
+
     def _wait_for_unpin(self, entry: Entry, target: TierName) -> None:
         """One wait for other threads to unpin ``entry``; raise if only blocked ones pin it."""
-        me = threading.get_ident()
-        if not set(entry.pinners) - self._blocked - {me}:
+        if not set(entry.pinners) - self._core.blocked - {threading.get_ident()}:
             raise PinnedError(
                 f"{entry.key!r} is pinned in the {entry.tier} tier; it cannot move to {target} "
                 "until unpinned"
             )
-        self._blocked.add(me)
-        try:
-            self._wait(0.05)
-        finally:
-            self._blocked.discard(me)
+        with self._core.blocked_on():
+            self._gate.wait(0.05)
 
     def _start_load(self, key: str, target: TierName) -> Entry | None:
         """Reserve bytes and queue a read of ``key`` from the store (a demand miss).
 
         Returns the new entry, claimed once for the caller, or ``None`` after a wait.
         """
-        if key in self._writing:
-            self._wait()
+        if key in self._core.write_backs:
+            self._gate.wait()
             return None
-        self._drop_queued(key)
-        meta = self._meta[key]
-        host = self._tiers[HOST]
-        tier: TierName = HOST if meta.footprint <= host.budget else target
-        if not self._reserve(tier, meta.footprint, key, prefetch=False, wait=True):
+        self._prefetch.drop(key)
+        meta = self._core.meta[key]
+        tier: TierName = HOST if meta.footprint <= self._tiers[HOST].budget else target
+        if not self._core.reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
-        entry = self._new_loading(key, meta, tier)
+        entry = self._core.new_loading(key, meta, tier)
         entry.claims += 1
         return entry
-
-    def _new_loading(self, key: str, meta: Meta, tier: TierName) -> Entry:
-        t = self._tiers[tier]
-        entry = Entry(key, meta, tier, t.allocate(meta, self.device), state=LOADING)
-        t.entries[key] = entry
-        self._launches.append(lambda: self._launch_load(entry))
-        return entry
-
-    def _move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
-        """Move a ready entry to ``target`` (a host<->device copy, no disk I/O).
-
-        Returns ``False`` when there is no room yet; a demand move then waits for room without
-        holding the entry (two moves in opposite directions must not wait on each other).
-        """
-        entry.claims += 1  # demoting victims into our tier must not evict the entry itself
-        try:
-            ok = self._reserve(target, entry.size, entry.key, prefetch=prefetch)
-        finally:
-            entry.claims -= 1
-        if ok:
-            self._relocate(entry, target)
-        elif not prefetch:
-            self._wait_for_room(self._tiers[target], entry.size, entry.key)
-        return ok
-
-    def _relocate(self, entry: Entry, target: TierName) -> None:
-        src, dst = self._tiers[entry.tier], self._tiers[target]
-        buf = dst.allocate(entry.meta, self.device)
-        buf.copy_(entry.tensor)
-        del src.entries[entry.key]
-        src.used -= entry.size
-        src.bytes_out += entry.meta.nbytes
-        dst.bytes_in += entry.meta.nbytes
-        entry.tier, entry.tensor = target, buf
-        dst.entries[entry.key] = entry
-        self._cv.notify_all()
 
     # ------------------------------------------------------------- put path
     def _put_target(self, key: str, meta: Meta, tier: str | None) -> TierName | Literal["nvme"]:
@@ -447,12 +431,12 @@ class TierCache(CacheCore):
         if tier is None:
             fits = [n for n in TIERS if 0 < meta.footprint <= self._tiers[n].budget]
             return fits[0] if fits else NVME
-        return self._tier_for(tier, meta, key)
+        return self._core.tier_for(tier, meta, key)
 
     def _put_in_tier(self, key: str, tensor: torch.Tensor, meta: Meta, target: TierName) -> None:
         while True:
-            self._raise_errors()
-            entry = self._find(key)
+            self._core.raise_errors()
+            entry = self._core.find(key)
             if entry is not None and entry.tier == target and entry.meta == meta:
                 entry.tensor.copy_(tensor)  # same shape: update in place, pinned or not
                 entry.dirty = True
@@ -460,15 +444,11 @@ class TierCache(CacheCore):
             if entry is not None and entry.pins:
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
             if entry is not None:
-                self._discard(entry)
-            if not self._reserve(target, meta.footprint, key, prefetch=False, wait=True):
-                self._settle_key(key, allow_pinned=True)
-                continue
-            t = self._tiers[target]
-            buf = t.allocate(meta, self.device)
-            buf.copy_(tensor)
-            t.entries[key] = Entry(key, meta, target, buf, dirty=True)
-            return
+                self._core.discard(entry)
+            if self._core.reserve(target, meta.footprint, key, prefetch=False, wait=True):
+                self._core.add_copy(key, tensor, meta, target)
+                return
+            self._settle_key(key, allow_pinned=True)
 
     def _settle_key(self, key: str, *, allow_pinned: bool) -> bool:
         """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry.
@@ -477,18 +457,18 @@ class TierCache(CacheCore):
         """
         cached = False
         while True:
-            entry = self._find(key)
+            entry = self._core.find(key)
             if entry is not None and entry.pins and not allow_pinned:
                 raise PinnedError(f"{key!r} is pinned; leave pinned() before replacing it")
             if entry is not None and (entry.state != READY or entry.claims):
-                self._wait()
-            elif key in self._writing:
+                self._gate.wait()
+            elif key in self._core.write_backs:
                 cached = True
-                self._wait()
+                self._gate.wait()
             else:
                 break
         if entry is not None:
             cached = True
             if not allow_pinned:
-                self._discard(entry)
+                self._core.discard(entry)
         return cached

@@ -3,7 +3,8 @@
 Both front ends compose the same parts: a byte :class:`Ledger` per memory tier (its invariant:
 ``0 <= used <= budget``, every byte reserved before it is allocated), a :class:`BufferPool` of
 page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choose what stays
-resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), and one
+resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), one
+allocator for a tier's buffers (:func:`allocate`: the pool's, and the cache's items), and one
 statistics type (:class:`TierStats`, :class:`CacheStats`). Disk transfers go through the store's
 async calls; nothing here imports a front end.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from tierswap.engine._ledger import Ledger
 from tierswap.engine._placement import kept, place
-from tierswap.engine._pool import BufferPool, base_bytes
+from tierswap.engine._pool import BufferPool, allocate, base_bytes
 from tierswap.engine.belady import CycleReads, simulate
 from tierswap.engine.policies import EvictionPolicy, LookaheadPolicy, LRUPolicy, make_policy
 from tierswap.engine.stats import CacheStats, TierStats
@@ -26,6 +27,7 @@ __all__ = [
     "Ledger",
     "LookaheadPolicy",
     "TierStats",
+    "allocate",
     "base_bytes",
     "kept",
     "make_policy",

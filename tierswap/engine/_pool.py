@@ -10,7 +10,7 @@ import torch
 from tierswap.config import ALIGN, round_up
 from tierswap.io import aligned_empty
 
-__all__ = ["BufferPool", "base_bytes"]
+__all__ = ["BufferPool", "allocate", "base_bytes"]
 
 
 class BufferPool:
@@ -39,9 +39,7 @@ class BufferPool:
         if free:
             self._idle -= capacity
             return free.pop()
-        if self._device.type != "cpu":
-            return torch.empty(capacity, dtype=torch.uint8, device=self._device)
-        return aligned_empty((capacity,), torch.uint8)
+        return allocate((capacity,), torch.uint8, self._device)
 
     def give(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
         if not owned:
@@ -59,6 +57,27 @@ class BufferPool:
             while free and self._idle > room:
                 free.pop()
                 self._idle -= capacity
+
+
+def allocate(
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    *,
+    pin: bool | None = None,
+) -> torch.Tensor:
+    """A fresh, uninitialised buffer in one tier's memory: the engine's one allocator.
+
+    On the CPU (host memory, or a device tier without a GPU) the buffer is page-aligned and spans
+    whole 4 KiB pages (:func:`tierswap.io.aligned_empty`; ``pin=None`` pins it when CUDA is
+    present); on any other device it is an ordinary tensor in that device's memory. The caller
+    has reserved its bytes in the tier's :class:`Ledger`. :class:`BufferPool` makes its buffers
+    here; :class:`~tierswap.TierCache`, whose items come in every size and are not recycled,
+    calls it directly.
+    """
+    if device is not None and device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return aligned_empty(shape, dtype, pin=pin)
 
 
 def base_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
