@@ -1,16 +1,19 @@
 """Sizes and I/O settings: the leaf vocabulary every layer shares.
 
 ``parse_size`` accepts ints (bytes) and strings such as ``"512MiB"`` or ``"4GB"``.
-``IOConfig`` holds the knobs of the I/O engine; ``tierswap bench --tune`` writes one to a JSON
-file that ``IOConfig.from_file`` (and the ``TIERSWAP_CONFIG`` environment variable) reads back.
+``IOConfig`` holds the knobs of the I/O engine and, for stores on several folders, the measured
+weight of each folder; ``tierswap bench --tune`` writes one to a JSON file that
+``IOConfig.from_file`` (and the ``TIERSWAP_CONFIG`` environment variable) reads back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,12 +94,18 @@ class IOConfig:
     direct:
         ``"auto"`` probes O_DIRECT once per store and falls back to buffered I/O with
         ``posix_fadvise(DONTNEED)``; ``"on"`` requires it; ``"off"`` never uses it.
+    weights:
+        Folder -> weight (its measured bandwidth): a store on several folders spreads its
+        chunks in proportion (a folder inside a measured one, or on the same filesystem,
+        takes its weight). Empty: equal weights. A mapping, kept as sorted ``(folder, weight)``
+        pairs; ``threads`` and ``inflight`` apply to each folder's own I/O queue.
     """
 
     block_bytes: int = 8 << 20
     threads: int = 8
     inflight: int = 64
     direct: Literal["auto", "on", "off"] = "auto"
+    weights: Mapping[str, float] | tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         block = parse_size(self.block_bytes, name="block_bytes")
@@ -113,9 +122,20 @@ class IOConfig:
             )
         if self.direct not in ("auto", "on", "off"):
             raise ConfigError(f"direct={self.direct!r} must be 'auto', 'on' or 'off'")
+        object.__setattr__(self, "weights", _parse_weights(self.weights))
+
+    @property
+    def folder_weights(self) -> dict[str, float]:
+        """:attr:`weights` as a dict (folder -> weight)."""
+        return dict(self.weights)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.weights:
+            data["weights"] = self.folder_weights
+        else:
+            del data["weights"]  # files without weights read as before
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IOConfig:
@@ -146,3 +166,22 @@ class IOConfig:
         """The settings from ``$TIERSWAP_CONFIG`` when set, else the built-in defaults."""
         env = os.environ.get("TIERSWAP_CONFIG")
         return cls.from_file(env) if env else cls()
+
+
+def _parse_weights(value: object) -> tuple[tuple[str, float], ...]:
+    """Weights as sorted ``(folder, weight)`` pairs; raises ConfigError for a bad entry."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(str(folder), weight) for folder, weight in items]  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"weights={value!r} must map folders to weights, e.g. {{'/nvme0': 2.0, '/nvme1': 1.0}}"
+        ) from exc
+    for folder, weight in pairs:
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if not ok or not math.isfinite(weight) or weight <= 0:
+            raise ConfigError(
+                f"weight {weight!r} of folder {folder!r} must be a positive number "
+                "(its measured bandwidth, or any number in proportion)"
+            )
+    return tuple(sorted((folder, float(weight)) for folder, weight in pairs))

@@ -84,7 +84,7 @@ def test_swap_folder_in_use_raises_store_locked(tmp_path) -> None:
     ("kwargs", "match"),
     [
         ({"commit_every": -1}, "commit_every"),
-        ({"overlap": "forward"}, "overlap"),
+        ({"overlap": "sideways"}, "overlap"),
         ({"accumulation_steps": 0}, "accumulation_steps"),
         ({"host_budget": "lots"}, "host_budget"),
         ({"resume": True}, "resume=True needs swap_dir"),

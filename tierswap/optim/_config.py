@@ -12,7 +12,7 @@ from tierswap.errors import ConfigError
 
 __all__ = ["SwapConfig"]
 
-_OVERLAPS = (None, "backward")
+_OVERLAPS = (None, "backward", "forward")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,7 @@ class SwapConfig:
                 "commit()); try 1"
             )
         if self.overlap not in _OVERLAPS:
-            raise ConfigError(f"overlap={self.overlap!r} must be None or 'backward'")
+            raise ConfigError(f"overlap={self.overlap!r} must be None, 'backward' or 'forward'")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
         if self.resume_from is not None:

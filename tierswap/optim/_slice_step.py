@@ -45,6 +45,9 @@ class StepPlan:
     compute_device: torch.device
     create: Callable[[str, tuple[int, ...], torch.dtype], None]
     small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
+    #: returned); ``None``: read ``param.grad`` when the slice steps.
+    grads: dict[int, torch.Tensor | None] | None = None
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,7 +74,7 @@ def step_slice(
     if not segments:
         return {}
     on_device = _Device(plan.compute_device)
-    targets = [_target(seg, tensors, on_device) for seg in segments]
+    targets = [_target(plan, seg, tensors, on_device) for seg in segments]
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for seg, target in zip(segments, targets, strict=True):
         state[target] = _state_of(plan, seg, tensors, on_device)
@@ -134,11 +137,14 @@ def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.
     return tensor.view(slot.whole_state[name][0]) if name in slot.whole_state else tensor
 
 
-def _target(seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device) -> torch.Tensor:
+def _target(
+    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device
+) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
-    assert slot.param.grad is not None  # plan.live holds only slots whose gradient is final
-    grad = _shaped(slot, local_tensor(slot.param.grad).reshape(-1)[seg.start : seg.stop])
+    whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
+    assert whole_grad is not None  # plan.live holds only slots whose gradient is final
+    grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
         target = _shaped(slot, on_device.take(tensors[_region(slot.master_key, seg)]))
         target.grad = grad.to(target.device, target.dtype)

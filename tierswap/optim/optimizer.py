@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +27,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
+from tierswap.optim._deferred import DeferredSteps
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import (
@@ -191,6 +192,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._step_failed = False  # a step raised halfway: the state is not a step's end
         self._params_written: set[int] = set()  # params the last step wrote to the store
         self._plan_of_step: StepPlan | None = None
+        self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
+        if config.overlap == "forward":
+            self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         for group in self.param_groups:
@@ -353,6 +357,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
         ready = getattr(self, "_ready", False)
+        if ready:
+            self._deferred.wait()
         if ready and self._config.resume and self._steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
         super().add_param_group(param_group)
@@ -376,12 +382,20 @@ class SwapOptimizer(torch.optim.Optimizer):
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step every parameter that has a gradient, slice by slice; commit when due."""
+        """Step every parameter that has a gradient, slice by slice; commit when due.
+
+        With ``overlap="forward"`` the slices are handed to a worker and this returns at once;
+        they step, in forward order, while the next forward pass runs.
+        """
+        self._deferred.wait()
         _state_dict.adopt_direct_state(self)  # e.g. from ZeroRedundancyOptimizer.load_state_dict
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._config.overlap == "forward":
+            self._schedule_step()
+            return loss
         due = self._commit_due()
         live = {s.index for s in self._slots if s.param.grad is not None}
         pieces = [
@@ -409,6 +423,37 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.commit()
         return loss
 
+    def _schedule_step(self) -> None:
+        """``overlap="forward"``: freeze what the step needs now (gradients, hyper-parameters),
+        then step the slices on the worker, in forward order, and commit there when due."""
+        due = self._commit_due()
+        live = {s.index for s in self._slots if s.param.grad is not None}
+        pieces = [p for p in self._slices[::-1] if any(s.index in live for s in p.slots)]
+        plan = self._new_plan()
+        plan.live |= live
+        plan.groups = [_frozen(group) for group in self.param_groups]  # the scheduler moves on
+        plan.grads = {index: self._slots[index].param.grad for index in live}
+        counts: Counter[int] = Counter()
+        for piece in pieces:
+            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
+        self._steps += 1
+
+        def run() -> None:
+            jobs = [self._job(piece) for piece in pieces]
+            try:
+                self._backend.pipeline.run(jobs, lambda job, t: self._work(plan, job, t))
+            except BaseException:
+                self._step_failed = True
+                raise
+            finally:
+                self._backend.pipeline.release()
+            self._small.update(plan.small_after)
+            self._params_written = plan.live if plan.write_params else set()
+            if due:
+                _state_dict.commit(self)
+
+        self._deferred.start(counts, run)
+
     def grad_final(self, param: torch.Tensor) -> None:
         """Called by the post-accumulate-grad hook of ``param``: its gradient is final.
 
@@ -420,6 +465,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         slot = self._slot_of.get(id(param))
         if slot is None or self._backend.closed:
             return
+        if self._config.overlap == "forward":
+            return  # the worker reads ahead, in forward order, from step() on
         if self._config.overlap != "backward":
             self._backend.pipeline.prefetch([self._job(p) for p in self._slices_of[slot.index]])
             return
@@ -490,19 +537,31 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
-        writes = step_slice(plan, self._slices[cast(int, job.name)], tensors)  # jobs: by index
+        piece = self._slices[cast(int, job.name)]  # jobs are named by slice index
+        writes = step_slice(plan, piece, tensors)
+        self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real
         return writes
 
     def synchronize(self) -> None:
-        """Wait until every write the last step started has reached the store (the step
-        returns while its last slices are still being written); raise one that failed."""
+        """Wait until the last step is done, its writes included (the step returns while its
+        last slices are still being written, or, with ``overlap="forward"``, before they
+        step); raise a failure of it."""
+        self._deferred.wait()
         self._backend.pipeline.drain()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's. A step still running keeps the gradients it was given: ``None`` here
+        only drops the parameters' references; zeroing in place waits for the step first."""
+        if not set_to_none:
+            self._deferred.wait()
+        super().zero_grad(set_to_none)
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
         """Make the current masters, state and step count the folder's atomic restart point."""
+        self._deferred.wait()
         return _state_dict.commit(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -511,12 +570,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         After :meth:`redirect_state_dict`, the next call instead takes a snapshot and returns
         the small reference dict of :meth:`snapshot_state_dict`.
         """
+        self._deferred.wait()
         redirected = _snapshot.redirected_state_dict(self)
         return redirected if redirected is not None else _state_dict.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in torch's format (from this class or the plain optimizer), or a
         snapshot reference from :meth:`snapshot_state_dict`."""
+        self._deferred.wait()
         if _snapshot.is_reference(state_dict):
             _snapshot.load_reference(self, state_dict)
         else:
@@ -530,11 +591,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Keep the current state as a standalone store in the new or empty ``dest``: hard
         links to the swap folder's files (no data copied), a copy across filesystems. Commits
         first unless the last commit already holds this state (``commit_every`` did it)."""
+        self._deferred.wait()
         return _snapshot.snapshot(self, dest, progress=progress)
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
         :meth:`load_state_dict` accepts (a trainer checkpoint that never materialises)."""
+        self._deferred.wait()
         return _snapshot.reference(self, dest)
 
     def redirect_state_dict(self, dest: str | os.PathLike[str] | None) -> None:
@@ -544,6 +607,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Replace the swap folder by the snapshot at ``path`` and resume from it."""
+        self._deferred.wait()
         _snapshot.load_snapshot(self, path)
 
     # -- introspection and teardown -------------------------------------------------------
@@ -587,10 +651,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         """
         _hooks.remove(getattr(self, "_hook_handles", []))
         self._hook_handles = []
+        failure: BaseException | None = None
+        try:
+            self._deferred.close()  # a step still running finishes first
+        except BaseException as exc:  # it failed: no final commit (it warns), then raise it
+            failure = exc
         try:
             _state_dict.final_commit(self)
         finally:  # the lock and the store are released even when the commit fails
             self._finalizer()
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> SwapOptimizer:
         return self
@@ -689,3 +760,9 @@ def _compute_device(tier: str) -> torch.device:
     if tier == DEVICE and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _frozen(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a param group as it is now: an LR scheduler that moves on after ``step()``
+    (or edits a tensor ``lr`` in place) does not reach a step still running."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}

@@ -20,12 +20,13 @@ from tierswap.store._snapshot import (
     replace_with_snapshot,
     take_snapshot,
 )
-from tierswap.store.swapstore import SwapStore
+from tierswap.store.swapstore import StorePaths, SwapStore
 
 __all__ = [
     "ArrayInfo",
     "Progress",
     "SnapshotResult",
+    "StorePaths",
     "SwapStore",
     "check_apart",
     "check_destination",

@@ -4,25 +4,33 @@
 recycled spares, commits, locks); this module moves the bytes: a whole chunk file per call, its
 CRC32C computed on write and checked on every read, and a region of a chunk read or rewritten by
 way of the whole chunk when the region covers it only partly (the checksum covers the whole
-chunk). It counts the bytes it moves.
+chunk). It counts the bytes it moves. Each folder of the store has its own I/O engine (its own
+queue and threads), so a slow drive does not hold up a fast one; a chunk is moved by the engine
+of the folder it lives in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from tierswap.config import round_up
+from tierswap.config import IOConfig, round_up
 from tierswap.errors import CorruptionError
 from tierswap.io import IOEngine, aligned_empty, translate_os_error, zeros_crc
+from tierswap.store._folder import StoreFolder
 from tierswap.store._layout import ArrayMeta
 from tierswap.store._tensors import flat_bytes, spare_bytes
 
-__all__ = ["ChunkFiles", "ChunkRef"]
+__all__ = ["ChunkFiles", "ChunkRef", "start_engines"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +41,24 @@ class ChunkRef:
     index: int
     path: Path
     crc: int
+    folder: int = 0  # the store folder holding the file (whose engine moves it)
+
+
+def start_engines(config: IOConfig, folder: StoreFolder, *, writable: bool) -> list[IOEngine]:
+    """One I/O engine per store folder, each probing O_DIRECT on its own folder (a writer in
+    the private folder, a reader on the home's ``zarr.json`` or the folder's marker)."""
+    engines: list[IOEngine] = []
+    try:
+        for index, member in enumerate(folder.folders):
+            probe = member.internal if writable else member.internal / "zarr.json"
+            if not writable and index == 0:
+                probe = member.root / "zarr.json"
+            engines.append(IOEngine(config, probe, writable=writable))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 class ChunkFiles:
@@ -40,37 +66,53 @@ class ChunkFiles:
 
     Parameters
     ----------
-    engine:
-        The store's I/O engine (its pool runs the calls; these methods run on its threads).
+    engines:
+        The I/O engine of each store folder (its pool runs the calls on that folder's files;
+        these methods run on its threads).
     sync_each_chunk:
-        fdatasync every file as it is written (durable buffered stores); otherwise the store
-        makes chunks durable with one ``syncfs`` per commit phase.
+        Per folder: fdatasync every file as it is written (durable buffered stores); otherwise
+        the store makes chunks durable with one ``syncfs`` per commit phase.
 
     Thread safety: every method may be called from any thread; the counters take a lock.
     """
 
-    def __init__(self, engine: IOEngine, *, sync_each_chunk: bool) -> None:
-        self.engine = engine
-        self.sync_each_chunk = sync_each_chunk
+    def __init__(self, engines: list[IOEngine], *, sync_each_chunk: list[bool]) -> None:
+        self.engines = list(engines)
+        self.sync_each_chunk = list(sync_each_chunk)
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(("bytes_read", "bytes_written", "reads", "writes"), 0)
 
+    @property
+    def engine(self) -> IOEngine:
+        """The home folder's engine (the only one of a store on one folder)."""
+        return self.engines[0]
+
+    @engine.setter
+    def engine(self, engine: IOEngine) -> None:
+        self.engines[0] = engine
+
+    def submit(self, folder: int, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the engine of store folder ``folder``."""
+        return self.engines[folder].submit(fn, *args)
+
     # ------------------------------------------------------------------ whole chunks
-    def write(self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False) -> int:
+    def write(
+        self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False, folder: int = 0
+    ) -> int:
         """Write ``piece`` as the chunk file ``path`` of ``file_size`` bytes; return its CRC."""
         try:
-            crc = self.engine.write_file(
-                path, piece, file_size, sync=self.sync_each_chunk, in_place=in_place
+            crc = self.engines[folder].write_file(
+                path, piece, file_size, sync=self.sync_each_chunk[folder], in_place=in_place
             )
         except OSError as exc:
             raise translate_os_error(exc, f"writing {str(path)!r}") from exc
         self._count("bytes_written", piece.size, "writes")
         return crc
 
-    def zero(self, path: Path, length: int, file_size: int) -> int:
+    def zero(self, path: Path, length: int, file_size: int, folder: int = 0) -> int:
         """Create ``path`` as a sparse chunk of zeros; return the CRC of ``length`` zero bytes."""
         try:
-            self.engine.allocate_file(path, file_size, sync=self.sync_each_chunk)
+            self.engines[folder].allocate_file(path, file_size, sync=self.sync_each_chunk[folder])
         except OSError as exc:
             raise translate_os_error(exc, f"allocating {str(path)!r}") from exc
         return zeros_crc(length)
@@ -78,7 +120,7 @@ class ChunkFiles:
     def read(self, chunk: ChunkRef, piece: np.ndarray, spare: int) -> None:
         """Fill ``piece`` from ``chunk`` and check its CRC32C (``spare``: see IOEngine)."""
         try:
-            crc = self.engine.read_file(chunk.path, piece, spare)
+            crc = self.engines[chunk.folder].read_file(chunk.path, piece, spare)
         except CorruptionError as exc:
             raise CorruptionError(f"key {chunk.key!r} chunk {chunk.index}: {exc}") from exc
         if crc != chunk.crc:
@@ -143,7 +185,7 @@ class ChunkFiles:
             self.read(chunk, piece, round_up(length) - length)
             piece[lo - offset : hi - offset] = src[lo - base : hi - base]
         path, in_place = target  # in place: a scratch store's chunk, or a recycled spare
-        return self.write(path, piece, meta.chunk_bytes, in_place=in_place)
+        return self.write(path, piece, meta.chunk_bytes, in_place, chunk.folder)
 
     # ------------------------------------------------------------------ counters
     def _count(self, bytes_name: str, nbytes: int, ops_name: str) -> None:

@@ -10,6 +10,7 @@ one ``syncfs`` per commit phase.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -41,38 +42,49 @@ def check_meta(meta: dict[str, Any]) -> None:
 
 
 class SyncPolicy:
-    """How one store makes its writes durable.
+    """How one store makes its writes durable, folder by folder.
 
-    :attr:`each_chunk` says whether each chunk file is fdatasync'ed as it is written. With
-    O_DIRECT the bytes are already on the device; only their metadata (and the drive's cache)
-    needs flushing, so a durable store defers that to one ``syncfs`` per commit phase where the
-    platform has it. Buffered writes are synced per file, so that the pages can be dropped from
-    the page cache at once. Scratch stores sync nothing per chunk.
+    :attr:`each_chunk` says, per store folder, whether each chunk file is fdatasync'ed as it
+    is written. With O_DIRECT the bytes are already on the device; only their metadata (and
+    the drive's cache) needs flushing, so a durable store defers that to one ``syncfs`` per
+    commit phase where the platform has it. Buffered writes are synced per file, so that the
+    pages can be dropped from the page cache at once. Scratch stores sync nothing per chunk.
+    A folder is flushed by ``syncfs`` of its own filesystem; folders on one filesystem share
+    one call.
 
     Thread safety: every method may be called from any thread.
     """
 
-    def __init__(self, root: Path, engine: IOEngine, *, durable: bool) -> None:
-        self._root = root
-        self._engine = engine
-        self.each_chunk = durable and not (engine.direct and journal.HAVE_SYNCFS)
+    def __init__(self, folder: StoreFolder, engines: list[IOEngine], *, durable: bool) -> None:
+        self._folder = folder
+        self._engine = engines[0]
+        self.each_chunk = [durable and not (e.direct and journal.HAVE_SYNCFS) for e in engines]
 
     def files(self, paths: list[Path]) -> None:
-        """Make the data of ``paths`` durable (and, with one flush, every unsynced chunk)."""
-        if self.each_chunk:
+        """Make the data of ``paths`` (the home's staged documents) durable, and every chunk
+        left unsynced in a folder flushed by ``syncfs``."""
+        if self.each_chunk[0]:
             self._parallel(journal.fdatasync_path, paths)
-        else:  # one flush makes the unsynced chunks and the staged documents durable
-            journal.syncfs(self._root)
+        self._syncfs()
 
     def dirs(self, dirs: Iterable[Path]) -> None:
         """Make the entries of ``dirs`` durable."""
-        if not self.each_chunk:
-            journal.syncfs(self._root)
-            return
-        self._parallel(journal.fsync_dir, list(dirs))
+        per_file = [d for d in dirs if self.each_chunk[self._folder.folder_of(d)]]
+        self._parallel(journal.fsync_dir, per_file)
+        self._syncfs()
+
+    def _syncfs(self) -> None:
+        """One ``syncfs`` per filesystem holding a folder whose chunks were not synced."""
+        devices: set[int] = set()
+        for root, each in zip(self._folder.roots, self.each_chunk, strict=True):
+            device = os.stat(root).st_dev
+            if not each and device not in devices:
+                devices.add(device)
+                journal.syncfs(root)
 
     def _parallel(self, fn: Callable[[Path], None], paths: list[Path]) -> None:
-        gather([self._engine.submit(fn, path) for path in paths]).result()
+        if paths:
+            gather([self._engine.submit(fn, path) for path in paths]).result()
 
 
 class Committer:
@@ -115,11 +127,11 @@ class Committer:
         self._targets.fit_spares(current)
 
     def _apply(self, plan: journal.CommitPlan, documents: list[tuple[str, bytes]]) -> None:
-        root = self._folder.root
+        root, roots = self._folder.root, self._folder.roots
         try:
             if self._durable:
                 journal.commit_durable(
-                    root,
+                    roots,
                     self._folder.staging,
                     plan,
                     documents,
@@ -127,7 +139,7 @@ class Committer:
                     sync_dirs=self._sync.dirs,
                 )
             else:
-                journal.apply_in_place(root, plan, documents)
+                journal.apply_in_place(roots, plan, documents)
         except BaseException as exc:
             if self._durable and (self._folder.internal / journal.JOURNAL).exists():
                 # Past the commit point: the journal is the truth, this object's view is not.

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tierswap.errors import CorruptionError, KeyNotFoundError
 from tierswap.keys import KeyHierarchy
-from tierswap.store._layout import ArrayMeta, chunk_relpath
+from tierswap.store._chunks import ChunkRef
+from tierswap.store._layout import ArrayMeta, locate, qualify
 
 __all__ = ["Chunk", "Entry", "PutClaim", "ReadClaim", "StoreIndex"]
 
@@ -41,6 +42,11 @@ class Entry:
     retired: bool = False  # superseded; delete staged files when the last reader is done
     garbage: list[Path] = dataclasses.field(default_factory=list)  # replaced staged chunk files
 
+    def ref(self, index: int) -> ChunkRef:
+        """Chunk ``index``: its file, checksum and folder (read with the gate lock held)."""
+        meta = self.meta
+        return ChunkRef(meta.key, index, self.files[index], meta.crcs[index], meta.folder_of(index))
+
     def unused_files(self) -> list[Path]:
         """Files no read uses any more, handed over (the caller recycles or deletes them):
         replaced staged versions, and every staged file once the entry is retired; none while
@@ -57,8 +63,9 @@ class Entry:
 class StoreIndex:
     """The keys of one store now, at its last commit, and in flight (lock held throughout)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path | Sequence[Path]) -> None:
+        self.roots = [root] if isinstance(root, Path) else list(root)
+        self.root = self.roots[0]  # the home: named in messages
         self._entries: dict[str, Entry] = {}
         self._names = KeyHierarchy()  # live keys (stored, damaged or being put) and groups
         self._committed: dict[str, ArrayMeta] = {}
@@ -234,12 +241,15 @@ class StoreIndex:
         takes them."""
         return {
             key: [
-                str(p.relative_to(self.root)) if i in entry.staged else None
+                self._qualified(entry.meta.folder_of(i), p) if i in entry.staged else None
                 for i, p in enumerate(entry.files)
             ]
             for key, entry in self._entries.items()
             if entry.dirty
         }
+
+    def _qualified(self, folder: int, path: Path) -> str:
+        return qualify(folder, str(path.relative_to(self.roots[folder])))
 
     def purged(self) -> list[str]:
         """Damaged keys deleted since the last commit."""
@@ -247,9 +257,12 @@ class StoreIndex:
 
     def mark_committed(self, current: dict[str, ArrayMeta]) -> None:
         """A commit of ``current`` succeeded: every chunk file is in its final place."""
-        for key, entry in self._entries.items():
+        for entry in self._entries.values():
             if entry.dirty:
-                entry.files = [self.root / chunk_relpath(key, i) for i in range(entry.meta.nchunks)]
+                meta = entry.meta
+                entry.files = [
+                    locate(self.roots, meta.chunk_qualified(i)) for i in range(meta.nchunks)
+                ]
                 entry.staged, entry.dirty = set(), False
         self._committed = current
         self._purged.clear()

@@ -9,6 +9,11 @@ A durable commit never overwrites committed bytes before the commit point:
    moving a replaced chunk aside as a spare write target where the plan says so, see
    :mod:`tierswap.store._recycle`), fsyncs the touched directories and deletes the journal.
 
+In a store on several folders the journal lives in the home; the paths of the plan are
+*qualified* (:func:`tierswap.store._layout.qualify`), so one journal moves, recycles and unlinks
+chunk files in every folder, each within its own folder (a staged chunk is written in the
+folder it will live in), and the home's journal is the one commit point of them all.
+
 Every roll-forward step is idempotent (rename only what is still staged; unlinks never name a
 rename target), so a writer that finds a journal on open simply rolls it forward again. A crash
 before step 2 leaves only staged files, which the next writer discards: the store is at its last
@@ -23,10 +28,11 @@ import dataclasses
 import errno
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tierswap.errors import CorruptionError
+from tierswap.store._layout import locate
 
 __all__ = [
     "HAVE_SYNCFS",
@@ -52,8 +58,9 @@ STAGING = "staging"
 class CommitPlan:
     """The file operations that move a store from one generation to the next.
 
-    Paths are relative to the store root. ``unlinks`` and rename targets are disjoint, and
-    ``rmdirs`` are listed deepest first.
+    Paths are relative to the store root (qualified, in a store on several folders).
+    ``unlinks`` and rename targets are disjoint, and ``rmdirs`` are listed deepest first
+    (within each folder).
     """
 
     generation: int
@@ -123,24 +130,35 @@ def read_journal(internal: Path) -> CommitPlan | None:
         raise CorruptionError(f"commit journal {str(internal / JOURNAL)!r} is damaged") from exc
 
 
+Roots = Path | Sequence[Path]
+
+
+def _roots(root: Roots) -> Sequence[Path]:
+    """The store's folders, home first (one folder given as a path)."""
+    return [root] if isinstance(root, Path) else root
+
+
 def roll_forward(
-    root: Path,
+    root: Roots,
     internal: Path,
     plan: CommitPlan,
     sync_dirs: Callable[[Iterable[Path]], None],
 ) -> None:
-    """Apply ``plan`` (idempotently), make it durable, then drop the journal."""
-    touched = _remove_superseded(root, plan)
+    """Apply ``plan`` (idempotently), make it durable, then drop the journal. ``root`` is the
+    store folder, or the store's folders (home first)."""
+    roots = _roots(root)
+    touched = _remove_superseded(roots, plan)
     spares = dict(plan.recycle)
     for src_rel, dst_rel in plan.moves:
-        src, dst = root / src_rel, root / dst_rel
+        src, dst = locate(roots, src_rel), locate(roots, dst_rel)
         if src.exists():  # not yet moved: a crash may have moved the old version aside only
             dst.parent.mkdir(parents=True, exist_ok=True)
-            spare = spares.get(dst_rel)
-            if spare is not None and dst.exists():
-                (root / spare).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(dst, root / spare)
-                touched.add((root / spare).parent)
+            spare_rel = spares.get(dst_rel)
+            if spare_rel is not None and dst.exists():
+                spare = locate(roots, spare_rel)
+                spare.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dst, spare)
+                touched.add(spare.parent)
             os.replace(src, dst)
         touched.add(dst.parent)
     sync_dirs(sorted(p for p in touched if p.exists()))
@@ -148,23 +166,25 @@ def roll_forward(
     fsync_dir(internal)
 
 
-def _remove_superseded(root: Path, plan: CommitPlan) -> set[Path]:
+def _remove_superseded(roots: Sequence[Path], plan: CommitPlan) -> set[Path]:
     """Unlink ``plan.unlinks`` and remove the emptied ``plan.rmdirs`` (each step idempotent);
     return the folders whose entries changed."""
     touched: set[Path] = set()
     for rel in plan.unlinks:
+        path = locate(roots, rel)
         with contextlib.suppress(FileNotFoundError):
-            (root / rel).unlink()
-        touched.add((root / rel).parent)
+            path.unlink()
+        touched.add(path.parent)
     for rel in plan.rmdirs:
+        path = locate(roots, rel)
         with contextlib.suppress(OSError):  # already gone, or not empty
-            (root / rel).rmdir()
-        touched.add((root / rel).parent)
+            path.rmdir()
+        touched.add(path.parent)
     return touched
 
 
 def commit_durable(
-    root: Path,
+    root: Roots,
     staging: Path,
     plan: CommitPlan,
     documents: list[tuple[str, bytes]],
@@ -179,12 +199,12 @@ def commit_durable(
     durable. If anything fails before the commit point, the staged documents are removed and
     the store is unchanged.
     """
-    internal = staging.parent
+    internal, home = staging.parent, _roots(root)[0]
     staging.mkdir(exist_ok=True)
     staged = [
         (staging / f"m{plan.generation}.{i}.json", dst) for i, (dst, _data) in enumerate(documents)
     ]
-    moves = plan.moves + tuple((str(src.relative_to(root)), dst) for src, dst in staged)
+    moves = plan.moves + tuple((str(src.relative_to(home)), dst) for src, dst in staged)
     plan = dataclasses.replace(plan, moves=moves)
     try:
         for (src, _dst), (_rel, data) in zip(staged, documents, strict=True):
@@ -202,12 +222,14 @@ def commit_durable(
         staging.rmdir()
 
 
-def apply_in_place(root: Path, plan: CommitPlan, documents: list[tuple[str, bytes]]) -> None:
+def apply_in_place(root: Roots, plan: CommitPlan, documents: list[tuple[str, bytes]]) -> None:
     """Scratch-mode commit: write documents and remove superseded files, without fsync."""
-    _remove_superseded(root, plan)
+    roots = _roots(root)
+    _remove_superseded(roots, plan)
     for rel, data in documents:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(root / rel, data, sync=False)
+        path = locate(roots, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data, sync=False)
 
 
 def fdatasync_path(path: Path) -> None:

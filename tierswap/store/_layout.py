@@ -8,13 +8,22 @@ ROOT/<key>/c/<i>                chunk i: raw little-endian bytes, padded with ze
 ROOT/<a>/zarr.json              a group for every proper prefix of a key
 ROOT/.tierswap/zarr.json        tierswap's private group (lock, staging, journal live here)
 ```
-This module only builds and parses those documents; it does no I/O.
+A store on several folders (one per drive) keeps that layout in its first folder, the *home*;
+an array whose chunks live in other folders names the folder of each chunk in a top-level
+``tierswap_folders`` field, and chunk ``i`` of folder ``f`` is ``FOLDER_f/<key>/c/<i>``. Paths
+inside any folder are written *qualified* (:func:`qualify`): plain for the home,
+``.tierswap/folder-<f>/<path>`` for folder ``f``, which is also where a snapshot taken into a
+single folder nests folder ``f``.
+
+This module only builds and parses those documents and paths; it does no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,21 +33,33 @@ from tierswap.errors import CorruptionError, InvalidTensorError
 from tierswap.store._dtypes import dtype_from_name, dtype_name, zarr_data_type, zarr_fill_value
 
 __all__ = [
+    "FOLDERS_FIELD",
     "FORMAT_VERSION",
     "INTERNAL_DIR",
+    "NESTED_PREFIX",
     "ArrayInfo",
     "ArrayMeta",
     "array_document",
     "chunk_relpath",
     "group_document",
+    "locate",
+    "nested_folder",
     "parse_array_document",
     "parse_root_document",
+    "qualify",
     "root_document",
+    "split_qualified",
 ]
 
 FORMAT_VERSION = 1
 INTERNAL_DIR = ".tierswap"
 _TAG = "tierswap"
+#: Top-level field of an array whose chunks are not all in the home folder: zarr's
+#: ``must_understand`` rule makes zarr-python refuse it instead of reading zeros.
+FOLDERS_FIELD = "tierswap_folders"
+#: Name prefix of a folder nested in the home's private folder (a snapshot into one folder).
+NESTED_PREFIX = "folder-"
+_FOLDER_PREFIX = f"{INTERNAL_DIR}/{NESTED_PREFIX}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +83,16 @@ class ArrayMeta:
     shape: tuple[int, ...]
     chunk_bytes: int
     crcs: tuple[int, ...] = ()
+    #: The folder of each chunk (store folders, home = 0); empty: every chunk is in the home.
+    folders: tuple[int, ...] = ()
+
+    def folder_of(self, index: int) -> int:
+        """The folder holding chunk ``index``."""
+        return self.folders[index] if self.folders else 0
+
+    def chunk_qualified(self, index: int) -> str:
+        """Qualified path (:func:`qualify`) of chunk ``index``."""
+        return qualify(self.folder_of(index), chunk_relpath(self.key, index))
 
     @property
     def numel(self) -> int:
@@ -106,8 +137,44 @@ def chunk_relpath(key: str, index: int) -> str:
     return f"{key}/c/{index}"
 
 
+def qualify(folder: int, rel: str) -> str:
+    """The qualified form of path ``rel`` inside store folder ``folder``: ``rel`` itself in
+    the home (folder 0), else ``.tierswap/folder-<folder>/<rel>`` (no key can start so)."""
+    return rel if folder == 0 else f"{nested_folder(folder)}/{rel}"
+
+
+def nested_folder(folder: int) -> str:
+    """Where folder ``folder`` nests inside the home (a snapshot taken into one folder)."""
+    return f"{_FOLDER_PREFIX}{folder}"
+
+
+def split_qualified(qualified: str) -> tuple[int, str]:
+    """Inverse of :func:`qualify`: ``(folder, path inside it)``."""
+    if not qualified.startswith(_FOLDER_PREFIX):
+        return 0, qualified
+    number, _, rel = qualified.removeprefix(_FOLDER_PREFIX).partition("/")
+    return int(number), rel
+
+
+def locate(roots: Sequence[Path], qualified: str) -> Path:
+    """The file a qualified path names, given the store's folders (home first)."""
+    folder, rel = split_qualified(qualified)
+    if folder >= len(roots):
+        raise CorruptionError(
+            f"path {qualified!r} names folder {folder} but the store has {len(roots)}"
+        )
+    return roots[folder] / rel
+
+
 def array_document(meta: ArrayMeta) -> dict[str, Any]:
     """The zarr v3 ``zarr.json`` of ``meta``'s array."""
+    doc = _plain_array_document(meta)
+    if any(meta.folders):
+        doc[FOLDERS_FIELD] = {"must_understand": True, "chunks": list(meta.folders)}
+    return doc
+
+
+def _plain_array_document(meta: ArrayMeta) -> dict[str, Any]:
     data_type = zarr_data_type(meta.dtype)
     storage_itemsize = meta.dtype.itemsize
     return {
@@ -144,6 +211,7 @@ def parse_array_document(key: str, doc: Any) -> ArrayMeta:
             shape=tuple(int(d) for d in attrs["shape"]),
             chunk_bytes=int(attrs["chunk_bytes"]),
             crcs=tuple(int(c) for c in attrs["crc32c"]),
+            folders=tuple(int(f) for f in doc.get(FOLDERS_FIELD, {}).get("chunks", ())),
         )
         shape = doc.get("shape")
     except (KeyError, TypeError, ValueError, AttributeError, InvalidTensorError) as exc:
@@ -154,7 +222,8 @@ def parse_array_document(key: str, doc: Any) -> ArrayMeta:
             f"metadata of key {key!r} is inconsistent: chunk_bytes {meta.chunk_bytes}, "
             f"shape {list(meta.shape)}"
         )
-    if len(meta.crcs) != meta.nchunks or shape != [meta.numel]:
+    folders_ok = not meta.folders or (len(meta.folders) == meta.nchunks and min(meta.folders) >= 0)
+    if len(meta.crcs) != meta.nchunks or shape != [meta.numel] or not folders_ok:
         raise CorruptionError(f"metadata of key {key!r} is inconsistent (chunks, sizes or shape)")
     return meta
 

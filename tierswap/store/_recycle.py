@@ -11,7 +11,8 @@ and it is written under a staging name, made visible only by a commit.
 One rule bounds what may be recycled: a file with another name (a snapshot links it, see
 :func:`tierswap.store._snapshot.is_shared`) is never written in place; it leaves the pool and
 keeps its other name. The pool holds at most ``cap`` bytes, so the store's disk use stays
-within twice the state.
+within twice the state. A store on several folders keeps one pool per folder (a spare is
+renamed into staging, so it must stay on its folder's filesystem).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import itertools
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tierswap.store._snapshot import is_shared
@@ -39,14 +40,16 @@ class SparePool:
     of files that left the index run outside it).
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, names: Iterator[int] | None = None) -> None:
         self.folder = folder
         shutil.rmtree(folder, ignore_errors=True)  # leftovers of an earlier writer
         self.cap = 0
         self._free: dict[int, list[Path]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._names = itertools.count()
+        # Numbers for new names; pools of one store share them, since a commit names a spare
+        # (a path inside a folder) before knowing which folder's pool adopts it.
+        self._names = itertools.count() if names is None else names
         self.reused = 0
 
     def new_path(self) -> Path:

@@ -18,7 +18,7 @@ import torch
 
 from tierswap.errors import InvalidTensorError, RegionError
 from tierswap.io import gather
-from tierswap.store._chunks import ChunkFiles, ChunkRef
+from tierswap.store._chunks import ChunkFiles
 from tierswap.store._gate import Gate
 from tierswap.store._index import Chunk, Discard, Entry, StoreIndex
 from tierswap.store._layout import ArrayMeta
@@ -139,12 +139,12 @@ class RegionIO:
         """Start reading elements ``[start, stop)`` of ``key`` into ``out`` (or a new tensor)."""
         claim = RegionClaim(self._index, key, (start, stop), self._targets.discard, write=False)
         with self._gate.shared(claim) as section:
-            entry, engine = claim.entry, self._chunks.engine
+            entry, chunks = claim.entry, self._chunks
             out = prepare_out(entry.meta, out, region=stop - start)
-            refs = [ChunkRef(key, i, entry.files[i], entry.meta.crcs[i]) for i in claim.span]
+            refs = [entry.ref(i) for i in claim.span]
             reads = gather(
                 [
-                    engine.submit(self._chunks.read_region, entry.meta, ref, start, out)
+                    chunks.submit(ref.folder, chunks.read_region, entry.meta, ref, start, out)
                     for ref in refs
                 ]
             )
@@ -178,7 +178,7 @@ class RegionIO:
         self, entry: Entry, span: range, start: int, source: torch.Tensor, news: list[Path]
     ) -> Future[list[int]]:
         """Start the chunk writes (appending each new file to ``news``); a future of CRCs."""
-        batch, engine, futures = self._targets.batch(), self._chunks.engine, []
+        batch, chunks, futures = self._targets.batch(), self._chunks, []
         for i in span:
             new, recycled = (
                 self._targets.write_target(entry.meta, batch, i)
@@ -186,10 +186,10 @@ class RegionIO:
                 else (entry.files[i], True)  # scratch: in place
             )
             news.append(new)
-            ref = ChunkRef(entry.meta.key, i, entry.files[i], entry.meta.crcs[i])
+            ref = entry.ref(i)
             futures.append(
-                engine.submit(
-                    self._chunks.write_region, entry.meta, ref, (new, recycled), start, source
+                chunks.submit(
+                    ref.folder, chunks.write_region, entry.meta, ref, (new, recycled), start, source
                 )
             )
         return gather(futures)

@@ -15,6 +15,14 @@ plain copy, with an optional progress bar (``rich``).
 The snapshot is built in a hidden sibling of the destination and renamed into place last: a
 crash leaves either no snapshot or a complete one.
 
+**Several folders.** A snapshot of a store on several folders is a store on as many folders:
+either a list of destinations, one per source folder (put each on its source's drive and every
+chunk is linked), or one destination, which then holds folder ``f`` at
+``.tierswap/folder-<f>`` (see :func:`tierswap.store._layout.nested_folder`; chunks of other
+drives are copied), so that a trainer checkpoint stays one folder. The snapshot's markers name
+a new store (its own id) and list its own folders; its home alone opens it. A list of
+destinations is renamed into place home last, so a crash between two renames leaves no home.
+
 **The sharing rule.** A file whose link count is above one may belong to a snapshot. Code that
 would write into an existing chunk file, or recycle a superseded chunk file as the target of a
 new write, must call :func:`is_shared` first and leave a shared file alone. This is the one
@@ -30,7 +38,7 @@ import fcntl
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -44,7 +52,8 @@ from tierswap.errors import (
 )
 from tierswap.store import _journal as journal
 from tierswap.store._folder import StoreFolder
-from tierswap.store._layout import INTERNAL_DIR
+from tierswap.store._layout import INTERNAL_DIR, locate, nested_folder
+from tierswap.store._members import Folder, marker_tags, new_store_id, store_paths
 
 __all__ = [
     "PROGRESS_MIN_BYTES",
@@ -66,6 +75,8 @@ _NO_LINK = frozenset((errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, err
 _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 _PIN_PREFIX = "snapshot-pin-"
 _ATTEMPTS = 8  # a snapshot without the writer's lock retries while commits interleave
+#: One folder, or a list of them (a store's folders, home first).
+Folders = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 def is_shared(path: str | os.PathLike[str]) -> bool:
@@ -101,13 +112,18 @@ class _Capture:
     linked: int = 0
     copied: int = 0
     deferred: list[tuple[Path, Path]] = dataclasses.field(default_factory=list)  # pin -> dest
-    pin: Path | None = None
+    pins: dict[Path, Path] = dataclasses.field(default_factory=dict)  # private folder -> pins
+
+    def drop_pins(self) -> None:
+        for pin in self.pins.values():
+            shutil.rmtree(pin, ignore_errors=True)
+        self.pins.clear()
 
 
 # ============================================================================ public entry points
 def take_snapshot(
-    root: str | os.PathLike[str],
-    dest: str | os.PathLike[str],
+    root: Folders,
+    dest: Folders,
     *,
     hold: Callable[[], AbstractContextManager[object]] | None = None,
     progress: bool | Progress | None = None,
@@ -117,9 +133,10 @@ def take_snapshot(
     Parameters
     ----------
     root:
-        The store folder (open or not, in this process or another).
+        The store folder (open or not, in this process or another), or its folders.
     dest:
         A missing or empty folder. On the same filesystem the chunk files are hard links.
+        For a store on several folders, a list of as many (or one: see the module notes).
     hold:
         A context that keeps the store from committing (the writer's own gate). ``None``: the
         listing is checked against the store's commit point afterwards and retried when a
@@ -129,73 +146,128 @@ def take_snapshot(
         ``(done, total)``, or ``None``: a bar for copies of :data:`PROGRESS_MIN_BYTES` or more
         when stderr is a terminal.
     """
-    root, dest = Path(root).absolute(), Path(dest).absolute()
-    check_destination(root, dest)
-    partial = dest.with_name(f".{dest.name}.partial-snapshot-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    roots = StoreFolder.discover(_absolute(root))
+    dests = _absolute(dest)
+    return _take(roots, dests, dests, hold=hold, progress=progress)
+
+
+def _take(
+    roots: list[Path],
+    dests: list[Path],
+    finals: list[Path],
+    *,
+    hold: Callable[[], AbstractContextManager[object]] | None,
+    progress: bool | Progress | None,
+) -> SnapshotResult:
+    """Snapshot the store on ``roots`` into ``dests``, which will end up at ``finals`` (the
+    folders its markers name)."""
+    _snapshot_roots(roots, dests)  # raises for a destination list of the wrong length
+    check_destination(roots, dests)
+    partials = [d.with_name(f".{d.name}.partial-snapshot-{os.getpid()}") for d in dests]
+    for partial in partials:
+        shutil.rmtree(partial, ignore_errors=True)
     capture = _Capture()
     try:
-        capture = _capture(root, partial, hold)
+        capture = _capture(roots, partials, _snapshot_roots(roots, finals), hold)
         _transfer(capture, progress)
-        _make_durable(partial)
-        partial.rename(dest)  # replaces an empty dest folder; a crash before leaves no dest
-        journal.fsync_dir(dest.parent)
+        for partial in partials:
+            _make_durable(partial)
+        for partial, final in reversed(list(zip(partials, dests, strict=True))):  # home last
+            partial.rename(final)  # replaces an empty folder; a crash before leaves no home
+            journal.fsync_dir(final.parent)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
-        if capture.pin is not None:
-            shutil.rmtree(capture.pin, ignore_errors=True)
-    return SnapshotResult(dest, capture.generation, capture.files, capture.linked, capture.copied)
+        capture.drop_pins()
+    return SnapshotResult(
+        dests[0], capture.generation, capture.files, capture.linked, capture.copied
+    )
 
 
 def replace_with_snapshot(
-    snapshot: str | os.PathLike[str],
-    dest: str | os.PathLike[str],
+    snapshot: Folders,
+    dest: Folders,
     *,
     progress: bool | Progress | None = None,
 ) -> SnapshotResult:
-    """Make the store folder ``dest`` a copy (by links where possible) of ``snapshot``.
+    """Make the store folder ``dest`` (or folders) a copy (by links where possible) of
+    ``snapshot``.
 
     Whatever store ``dest`` held is replaced; ``dest`` must not be open by a writer
     (:class:`~tierswap.errors.StoreLockedError`). ``snapshot`` itself is never modified.
     """
-    snapshot, dest = Path(snapshot).absolute(), Path(dest).absolute()
-    if not (snapshot / "zarr.json").exists():
-        raise ConfigError(f"no store at {str(snapshot)!r} (no zarr.json); pass a snapshot folder")
-    if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
-        return take_snapshot(snapshot, dest, progress=progress)
-    folder = StoreFolder(dest)
-    if not (dest / "zarr.json").exists() and not folder.internal.is_dir():
-        raise SnapshotExistsError(
-            f"folder {str(dest)!r} is not empty and holds no store; pick a new or empty folder"
-        )
-    fresh = dest.with_name(f".{dest.name}.restore-{os.getpid()}")
-    trash = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
-    folder.lock()
+    sources, dests = _absolute(snapshot), _absolute(dest)
+    if not (sources[0] / "zarr.json").exists():
+        raise ConfigError(f"no store at {str(sources[0])!r} (no zarr.json); pass a snapshot folder")
+    sources = StoreFolder.discover(sources)
+    if all(not d.exists() or (d.is_dir() and not any(d.iterdir())) for d in dests):
+        return _take(sources, dests, dests, hold=None, progress=progress)
+    for folder in dests:
+        is_store = (folder / "zarr.json").exists() or (folder / INTERNAL_DIR).is_dir()
+        if folder.exists() and not is_store and any(folder.iterdir()):
+            raise SnapshotExistsError(
+                f"folder {str(folder)!r} is not empty and holds no store; pick a new or empty "
+                "folder"
+            )
+    fresh = [d.with_name(f".{d.name}.restore-{os.getpid()}") for d in dests]
+    trash = [d.with_name(f".{d.name}.replaced-{os.getpid()}") for d in dests]
+    held = [d for d in dests if (d / INTERNAL_DIR).is_dir()]  # a writer holds these
+    locks = StoreFolder(held) if held else None
+    if locks is not None:
+        locks.lock()
     try:
-        result = take_snapshot(snapshot, fresh, progress=progress)
-        dest.rename(trash)
-        fresh.rename(dest)
-        journal.fsync_dir(dest.parent)
+        result = _take(sources, fresh, dests, hold=None, progress=progress)
+        for old, new, bin_ in reversed(list(zip(dests, fresh, trash, strict=True))):
+            if old.exists():
+                old.rename(bin_)
+            new.rename(old)
+            journal.fsync_dir(old.parent)
     finally:
-        folder.unlock()
-        shutil.rmtree(fresh, ignore_errors=True)
-    shutil.rmtree(trash, ignore_errors=True)
-    return dataclasses.replace(result, path=dest)
+        if locks is not None:
+            locks.unlock()
+        for folder in fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in trash:
+        shutil.rmtree(folder, ignore_errors=True)
+    return dataclasses.replace(result, path=dests[0])
 
 
-def check_destination(root: Path, dest: Path) -> None:
-    """Raise unless ``dest`` may receive a snapshot of ``root``; changes nothing."""
-    check_apart(root, dest)
-    if dest.exists() and not dest.is_dir():
-        raise SnapshotExistsError(f"snapshot destination {str(dest)!r} is a file; pass a folder")
-    _check_unlocked(dest / INTERNAL_DIR)
-    if dest.exists() and any(dest.iterdir()):
-        raise SnapshotExistsError(
-            f"snapshot destination {str(dest)!r} is not empty; pick a new or empty folder "
-            "(a snapshot never overwrites files)"
-        )
+def check_destination(root: Path | Sequence[Path], dest: Path | Sequence[Path]) -> None:
+    """Raise unless ``dest`` (a folder, or folders) may receive a snapshot of the store on
+    ``root`` (its folder, or folders); changes nothing."""
+    roots = [root] if isinstance(root, Path) else list(root)
+    for folder in [dest] if isinstance(dest, Path) else dest:
+        for source in roots:
+            check_apart(source, folder)
+        if folder.exists() and not folder.is_dir():
+            raise SnapshotExistsError(
+                f"snapshot destination {str(folder)!r} is a file; pass a folder"
+            )
+        _check_unlocked(folder / INTERNAL_DIR)
+        if folder.exists() and any(folder.iterdir()):
+            raise SnapshotExistsError(
+                f"snapshot destination {str(folder)!r} is not empty; pick a new or empty folder "
+                "(a snapshot never overwrites files)"
+            )
+
+
+def _absolute(paths: Folders) -> list[Path]:
+    return list(store_paths(paths))
+
+
+def _snapshot_roots(roots: Sequence[Path], dests: Sequence[Path]) -> list[Path]:
+    """The folders of a snapshot of the store on ``roots`` into ``dests``: the list itself,
+    or one folder with the others nested in its private folder."""
+    if len(dests) == len(roots):
+        return list(dests)
+    if len(dests) == 1:
+        return [dests[0], *(dests[0] / nested_folder(i) for i in range(1, len(roots)))]
+    raise ConfigError(
+        f"the store spans {len(roots)} folders but {len(dests)} destinations were given; pass "
+        f"one destination folder, or {len(roots)} (one per drive)"
+    )
 
 
 def check_apart(root: Path, dest: Path) -> None:
@@ -225,50 +297,61 @@ def _check_unlocked(internal: Path) -> None:
 
 # ============================================================================ capture
 def _capture(
-    root: Path, partial: Path, hold: Callable[[], AbstractContextManager[object]] | None
+    roots: list[Path],
+    partials: list[Path],
+    finals: list[Path],
+    hold: Callable[[], AbstractContextManager[object]] | None,
 ) -> _Capture:
-    """Link (or copy) the files of one generation into ``partial``; retry while unstable."""
+    """Link (or copy) the files of one generation into ``partials``; retry while unstable."""
     for _attempt in range(_ATTEMPTS):
         with hold() if hold is not None else contextlib.nullcontext():
-            before = None if hold is not None else _commit_token(root)
+            before = None if hold is not None else _commit_token(roots[0])
             try:
-                capture = _capture_once(root, partial)
+                capture = _capture_once(roots, partials, finals)
             except (FileNotFoundError, CorruptionError):
                 if hold is not None:
                     raise
                 capture = None  # a writer moved files meanwhile
-            if capture is not None and (hold is not None or _commit_token(root) == before):
+            if capture is not None and (hold is not None or _commit_token(roots[0]) == before):
                 return capture
-        if capture is not None and capture.pin is not None:
-            shutil.rmtree(capture.pin, ignore_errors=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        if capture is not None:
+            capture.drop_pins()
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
     raise TierswapError(
-        f"store {str(root)!r} kept committing while its files were listed ({_ATTEMPTS} tries); "
-        "snapshot it from its writer (SwapStore.snapshot) or between commits"
+        f"store {str(roots[0])!r} kept committing while its files were listed ({_ATTEMPTS} "
+        "tries); snapshot it from its writer (SwapStore.snapshot) or between commits"
     )
 
 
-def _capture_once(root: Path, partial: Path) -> _Capture:
-    generation, files = StoreFolder(root).committed_files()
+def _capture_once(roots: list[Path], partials: list[Path], finals: list[Path]) -> _Capture:
+    folder = StoreFolder(roots)
+    generation, files = folder.committed_files()
     if generation == 0:
         raise NoCommitError(
-            f"store {str(root)!r} has no commit yet; call commit() before taking a snapshot"
+            f"store {str(roots[0])!r} has no commit yet; call commit() before taking a snapshot"
         )
     capture = _Capture(generation=generation, files=len(files))
-    (partial / INTERNAL_DIR).mkdir(parents=True)
+    built = _snapshot_roots(roots, partials)
+    for root in built:
+        (root / INTERNAL_DIR).mkdir(parents=True)
     try:
-        _capture_files(root, partial, files, capture)
+        _capture_files(folder, built, files, capture)
     except BaseException:
-        if capture.pin is not None:
-            shutil.rmtree(capture.pin, ignore_errors=True)
+        capture.drop_pins()
         raise
+    if len(roots) > 1:  # a new store: its own id, and markers that list its own folders
+        for root, tag in zip(built, marker_tags(finals, new_store_id()), strict=True):
+            Folder(root).write_marker(tag)
     return capture
 
 
-def _capture_files(root: Path, partial: Path, files: dict[str, Path], capture: _Capture) -> None:
-    linking = True
+def _capture_files(
+    folder: StoreFolder, built: list[Path], files: dict[str, Path], capture: _Capture
+) -> None:
+    linking = [True] * len(built)  # per source folder: hard links work to its destination
     for rel, src in sorted(files.items()):
-        dst = partial / rel
+        dst, index = locate(built, rel), folder.folder_of(src)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if rel.endswith("zarr.json"):  # documents: always a private copy
             data = src.read_bytes()
@@ -276,11 +359,11 @@ def _capture_files(root: Path, partial: Path, files: dict[str, Path], capture: _
             capture.copied += len(data)
             continue
         size = src.stat().st_size
-        if linking and _try_link(src, dst):
+        if linking[index] and _try_link(src, dst):
             capture.linked += size
             continue
-        linking = False
-        _pin(root, src, dst, capture)
+        linking[index] = False
+        _pin(folder.folders[index].internal, src, dst, capture)
 
 
 def _try_link(src: Path, dst: Path) -> bool:
@@ -293,15 +376,16 @@ def _try_link(src: Path, dst: Path) -> bool:
     return True
 
 
-def _pin(root: Path, src: Path, dst: Path, capture: _Capture) -> None:
-    """Keep ``src`` for a copy after the capture: a hard link in the store's private folder,
-    or, where the store's filesystem has no hard links, a copy now."""
-    if capture.pin is None:
-        _remove_stale_pins(root / INTERNAL_DIR)
-        capture.pin = root / INTERNAL_DIR / f"{_PIN_PREFIX}{os.getpid()}-{id(capture)}"
+def _pin(internal: Path, src: Path, dst: Path, capture: _Capture) -> None:
+    """Keep ``src`` for a copy after the capture: a hard link in the private folder
+    ``internal`` of its store folder, or, where that filesystem has no hard links, a copy now."""
+    pin = capture.pins.get(internal)
+    if pin is None:
+        _remove_stale_pins(internal)
+        pin = capture.pins[internal] = internal / f"{_PIN_PREFIX}{os.getpid()}-{id(capture)}"
         with contextlib.suppress(OSError):
-            capture.pin.mkdir()
-    pinned = capture.pin / str(len(capture.deferred))
+            pin.mkdir()
+    pinned = pin / str(len(capture.deferred))
     try:
         os.link(src, pinned)
     except OSError:  # no hard links here (or no write access): copy while the files are held

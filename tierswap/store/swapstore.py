@@ -14,6 +14,10 @@ concurrency gate (:mod:`~tierswap.store._gate`), the in-memory index and its cla
 (:mod:`~tierswap.store._index`), where new chunk files go (:mod:`~tierswap.store._staging`),
 region I/O (:mod:`~tierswap.store._regions`) and commits (:mod:`~tierswap.store._commit`).
 
+A store may span several folders, one per drive (``SwapStore([A, B])``): the first is the home
+(metadata, journal), and chunk files are striped over all of them in proportion to their
+measured bandwidth (:mod:`~tierswap.store._placement`), each folder with its own I/O queue.
+
 Thread safety: see :class:`SwapStore`.
 """
 
@@ -21,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -39,24 +44,28 @@ from tierswap.errors import (
     ReadOnlyError,
     StoreClosedError,
 )
-from tierswap.io import IOEngine, gather, translate_os_error
+from tierswap.io import gather, translate_os_error
 from tierswap.keys import validate_key
 from tierswap.store import _journal as journal
-from tierswap.store._chunks import ChunkFiles, ChunkRef
+from tierswap.store._chunks import ChunkFiles, start_engines
 from tierswap.store._commit import Committer, SyncPolicy, check_meta, fsync_dirs
 from tierswap.store._folder import StoreFolder
 from tierswap.store._gate import Gate
 from tierswap.store._index import Entry, PutClaim, ReadClaim, StoreIndex
-from tierswap.store._layout import ArrayInfo, ArrayMeta, chunk_bytes_for, chunk_relpath
+from tierswap.store._layout import ArrayInfo, ArrayMeta, chunk_bytes_for, locate
+from tierswap.store._members import store_paths
+from tierswap.store._placement import Placement, folder_weights
 from tierswap.store._recycle import SPARE, SparePool
 from tierswap.store._regions import RegionIO
 from tierswap.store._snapshot import Progress, SnapshotResult, take_snapshot
 from tierswap.store._staging import ChunkTargets, unlink_all
 from tierswap.store._tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
 
-__all__ = ["SwapStore"]
+__all__ = ["StorePaths", "SwapStore"]
 
 Mode = Literal["r", "a", "w"]
+#: A store's folder, or its folders (one per drive, the home first).
+StorePaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: A whole-tensor write that ended: the metadata with its CRCs, and the chunk files written.
 Written = tuple[ArrayMeta, list[Path]]
 
@@ -67,7 +76,11 @@ class SwapStore:
     Parameters
     ----------
     path:
-        The store folder (created for ``mode="a"`` and ``"w"``).
+        The store folder (created for ``mode="a"`` and ``"w"``), or a list of folders, one per
+        drive: the first (the *home*) holds the metadata and the journal, and chunk files are
+        spread over all of them in proportion to their weights (``io.weights``, measured by
+        ``tierswap bench --dir A --dir B --tune F``; equal without), each folder with its own
+        I/O queue. The home alone opens the whole store later (it lists the others).
     mode:
         ``"a"`` read/write, creating the store if missing; ``"w"`` start empty (wipes an existing
         store); ``"r"`` read only (no lock: readers may open a store that a writer holds).
@@ -77,7 +90,8 @@ class SwapStore:
     chunk_bytes:
         Largest chunk file (a multiple of 4 KiB). Small tensors use one page-rounded chunk.
     io:
-        I/O engine settings; default ``IOConfig.default()`` (``$TIERSWAP_CONFIG`` if set).
+        I/O engine settings (for each folder's engine) and folder weights; default
+        ``IOConfig.default()`` (``$TIERSWAP_CONFIG`` if set).
 
     Notes
     -----
@@ -101,7 +115,7 @@ class SwapStore:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: StorePaths,
         *,
         mode: Mode = "a",
         durable: bool = True,
@@ -110,14 +124,15 @@ class SwapStore:
     ) -> None:
         if mode not in ("r", "a", "w"):
             raise ConfigError(f"mode={mode!r} must be 'r', 'a' or 'w'")
-        self.path = Path(path).absolute()
+        self.paths = store_paths(path)
+        self.path = self.paths[0]
         self.readonly = mode == "r"
         self.durable = durable
         self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 4096")
         self.io_config = io or IOConfig.default()
-        self._folder = StoreFolder(self.path)
+        self._folder = StoreFolder(list(self.paths))
         self._gate = Gate(self._check_open)
         self._index = StoreIndex(self.path)
         self._closed = True
@@ -126,21 +141,24 @@ class SwapStore:
 
     # ================================================================== opening
     def _open(self, mode: Mode) -> None:
-        """Lock and recover the folder (writers), start the I/O engine, load the index."""
+        """Lock and recover the folders (writers), start their I/O engines, load the index."""
         if self.readonly:
             self._folder.check_readable()
-            self._engine = IOEngine(self.io_config, self.path / "zarr.json", writable=False)
         else:
             self._folder.open_writer(wipe=mode == "w", durable=self.durable, sync_dirs=fsync_dirs)
-            try:
-                self._engine = IOEngine(self.io_config, self._folder.internal, writable=True)
-            except BaseException:
-                self._folder.unlock()
-                raise
+        self.paths = tuple(self._folder.roots)
         try:
+            self._engines = start_engines(self.io_config, self._folder, writable=not self.readonly)
+        except BaseException:
+            self._folder.unlock()
+            raise
+        self._engine = self._engines[0]
+        try:
+            self._placement = Placement(folder_weights(self.paths, self.io_config.folder_weights))
             self._load_index()
         except BaseException:  # a store that cannot open keeps neither the lock nor threads
-            self._engine.close()
+            for engine in self._engines:
+                engine.close()
             self._folder.unlock()
             raise
 
@@ -150,10 +168,14 @@ class SwapStore:
         self.generation, self.meta = loaded.generation, loaded.meta
         if self.readonly:  # a reader reports how the store was written
             self.durable = loaded.durable
+        self._index = StoreIndex(self.paths)
         self._index.load(loaded.arrays, loaded.damaged)
-        sync = SyncPolicy(self.path, self._engine, durable=self.durable)
-        self._chunks = ChunkFiles(self._engine, sync_each_chunk=sync.each_chunk)
-        spares = None if self.readonly else SparePool(self._folder.internal / SPARE)
+        sync = SyncPolicy(self._folder, self._engines, durable=self.durable)
+        self._chunks = ChunkFiles(self._engines, sync_each_chunk=sync.each_chunk)
+        names = itertools.count()  # spare names, unique across the folders
+        spares = None
+        if not self.readonly:
+            spares = [SparePool(f.internal / SPARE, names) for f in self._folder.folders]
         self._targets = ChunkTargets(self._folder, durable=self.durable, spares=spares)
         self._targets.fit_spares(self._index.committed)
         self._commits = Committer(self._folder, self._targets, sync, durable=self.durable)
@@ -250,26 +272,32 @@ class SwapStore:
     def _new_meta(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayMeta:
         nbytes = math.prod(shape) * dtype.itemsize
         chunk = chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
-        return ArrayMeta(key, dtype, shape, chunk)
+        folders = self._placement.folders(key, -(-nbytes // chunk))
+        return ArrayMeta(key, dtype, shape, chunk, folders=folders)
 
     def _submit_put(self, meta: ArrayMeta, source: torch.Tensor | None) -> Future[Written]:
         """Start writing ``meta``'s chunk files from ``source`` (``None``: sparse zeros); the
         future holds the metadata with its CRCs and the files, which a failure deletes."""
-        batch, engine, chunks = self._targets.batch(), self._chunks.engine, self._chunks
+        batch, chunks, size = self._targets.batch(), self._chunks, meta.chunk_bytes
         paths: list[Path] = []
         futures: list[Future[int]] = []
         try:
             flat = flat_bytes(source) if source is not None else None
             for i in range(meta.nchunks):
                 offset, length = meta.payload(i)
+                folder = meta.folder_of(i)
                 if flat is None:
-                    paths.append(self._targets.new_path(meta.key, batch, i))
-                    futures.append(engine.submit(chunks.zero, paths[-1], length, meta.chunk_bytes))
+                    paths.append(self._targets.new_path(meta.key, batch, i, folder))
+                    futures.append(
+                        chunks.submit(folder, chunks.zero, paths[-1], length, size, folder)
+                    )
                     continue
                 path, recycled = self._targets.write_target(meta, batch, i)
                 paths.append(path)
                 piece = flat[offset : offset + length]
-                futures.append(engine.submit(chunks.write, path, piece, meta.chunk_bytes, recycled))
+                futures.append(
+                    chunks.submit(folder, chunks.write, path, piece, size, recycled, folder)
+                )
         except BaseException as exc:  # failed to start: undone once the started writes end
             failed: Future[int] = Future()
             failed.set_exception(exc)
@@ -303,25 +331,26 @@ class SwapStore:
     def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
         """Make freshly written chunk files the current version of ``meta.key``."""
         if not self.durable:  # scratch: rename over the old chunks, drop any extra ones
-            paths = self._replace_in_place(meta.key, paths)
+            paths = self._replace_in_place(meta, paths)
         with self._gate.locked():
             old = self._index.install(meta, paths, staged=self.durable)
             doomed = self._index.retire(old) if old is not None else []
         self._targets.discard(doomed)
 
-    def _replace_in_place(self, key: str, paths: list[Path]) -> list[Path]:
-        """A scratch put's renames over the chunk files of ``key``; returns the final paths."""
-        finals = [self.path / chunk_relpath(key, i) for i in range(len(paths))]
+    def _replace_in_place(self, meta: ArrayMeta, paths: list[Path]) -> list[Path]:
+        """A scratch put's renames over the chunk files of ``meta.key``; returns the final
+        paths (old chunk files that are not among them are deleted)."""
+        finals = [locate(self.paths, meta.chunk_qualified(i)) for i in range(len(paths))]
         for i, (path, final) in enumerate(zip(paths, finals, strict=True)):
             try:
                 os.replace(path, final)
             except OSError as exc:
                 if i:  # old and new chunk files mixed: neither version is there
-                    self._damage(key, f"a put failed midway through its renames: {exc}")
+                    self._damage(meta.key, f"a put failed midway through its renames: {exc}")
                 raise
         with self._gate.locked():
-            old = self._index.find(key)
-        for extra in old.files[len(finals) :] if old else []:
+            old = self._index.find(meta.key)
+        for extra in set(old.files) - set(finals) if old else ():
             with contextlib.suppress(FileNotFoundError):
                 extra.unlink()
         return finals
@@ -359,14 +388,14 @@ class SwapStore:
             return section.finish_with(self._submit_get(claim.entry, out), out)
 
     def _submit_get(self, entry: Entry, out: torch.Tensor) -> Future[list[None]]:
-        flat, spare, meta = flat_bytes(out), spare_bytes(out), entry.meta
+        flat, spare, meta, chunks = flat_bytes(out), spare_bytes(out), entry.meta, self._chunks
         futures = []
         for i in range(meta.nchunks):
             offset, length = meta.payload(i)
             tail = spare if i == meta.nchunks - 1 else 0
             piece = flat[offset : offset + length]
-            chunk = ChunkRef(meta.key, i, entry.files[i], meta.crcs[i])
-            futures.append(self._chunks.engine.submit(self._chunks.read, chunk, piece, tail))
+            chunk = entry.ref(i)
+            futures.append(chunks.submit(chunk.folder, chunks.read, chunk, piece, tail))
         return gather(futures)
 
     # ================================================================== regions
@@ -429,16 +458,20 @@ class SwapStore:
 
     @property
     def direct(self) -> bool:
-        """True when the data path uses O_DIRECT."""
-        return self._engine.direct
+        """True when the data path uses O_DIRECT (in every folder)."""
+        return all(engine.direct for engine in self._engines)
 
     def stats(self) -> dict[str, int]:
         """Bytes and chunk files read and written through this store object."""
         return self._chunks.stats()
 
     def disk_usage(self) -> int:
-        """Bytes the store's files occupy on disk (allocated blocks)."""
+        """Bytes the store's files occupy on disk (allocated blocks), in all its folders."""
         return self._folder.disk_usage()
+
+    def folder_usage(self) -> dict[str, int]:
+        """Bytes the store's files occupy in each of its folders (home first)."""
+        return {str(root): self._folder.disk_usage(i) for i, root in enumerate(self.paths)}
 
     # ================================================================== commit
     def commit(self, meta: dict[str, Any] | None = None) -> int:
@@ -477,15 +510,14 @@ class SwapStore:
         with self._gate.shared(claim):
             if not claim.found:  # deleted meanwhile
                 return []
-            entry, meta = claim.entry, claim.entry.meta
-            refs = [ChunkRef(key, i, entry.files[i], meta.crcs[i]) for i in range(meta.nchunks)]
-            engine, chunks = self._chunks.engine, self._chunks
-            futures = [engine.submit(chunks.verify, meta, ref) for ref in refs]
+            entry, meta, chunks = claim.entry, claim.entry.meta, self._chunks
+            refs = [entry.ref(i) for i in range(meta.nchunks)]
+            futures = [chunks.submit(ref.folder, chunks.verify, meta, ref) for ref in refs]
             return [problem for f in futures if (problem := f.result())]
 
     # ================================================================== snapshots
     def snapshot(
-        self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
+        self, dest: StorePaths, *, progress: bool | Progress | None = None
     ) -> SnapshotResult:
         """Keep the last commit as a standalone store in the new or empty folder ``dest``.
 
@@ -493,10 +525,15 @@ class SwapStore:
         elsewhere (see :mod:`tierswap.store._snapshot`); uncommitted puts are not part of it.
         Commits, reads and writes wait while the files are listed and linked (not while they
         are copied). Neither store changes the other afterwards.
+
+        A store on several folders makes a snapshot on as many: ``dest`` is a list of as many
+        new or empty folders (one per drive, so that every chunk is linked), or one folder,
+        which then holds the other folders inside its private folder (chunks from other
+        drives are copied). Either opens as ``SwapStore(dest)`` (``dest[0]`` for a list).
         """
         self._check_open()
         hold = None if self.readonly else self._commits_held
-        return take_snapshot(self.path, dest, hold=hold, progress=progress)
+        return take_snapshot(list(self.paths), dest, hold=hold, progress=progress)
 
     @contextlib.contextmanager
     def _commits_held(self) -> Iterator[None]:
@@ -524,11 +561,13 @@ class SwapStore:
                     self._commit_alone(dict(self.meta))
             finally:
                 self._closed = True
-                self._engine.close()
+                for engine in self._engines:
+                    engine.close()
                 # A journal left by a commit that failed after its commit point names staged
                 # files: they stay for the next writer, which rolls that commit forward.
                 if not self.readonly and not (self._folder.internal / journal.JOURNAL).exists():
-                    shutil.rmtree(self._folder.staging, ignore_errors=True)
+                    for folder in self._folder.folders:
+                        shutil.rmtree(folder.staging, ignore_errors=True)
                 self._targets.clear()
                 self._folder.unlock()
 
@@ -543,4 +582,5 @@ class SwapStore:
         state = (
             "closed" if self._closed else f"{len(self._index)} keys, generation {self.generation}"
         )
-        return f"SwapStore({str(self.path)!r}, {kind}, {state})"
+        where = str(self.path) if len(self.paths) == 1 else [str(p) for p in self.paths]
+        return f"SwapStore({where!r}, {kind}, {state})"

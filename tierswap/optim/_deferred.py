@@ -1,0 +1,116 @@
+"""The step that runs into the next forward pass (``overlap="forward"``).
+
+``step()`` sees what only it can see (clipped gradients, a ``GradScaler``'s verdict, the LR
+scheduler's values), hands the slices to a worker thread, and returns. The worker streams the
+slices in *forward* order while the next forward pass runs; a forward pre-hook on every module
+waits only until that module's own parameters are updated. Anything that reads parameters or
+state in between (``state_dict()``, ``snapshot()``, ``commit()``, ``synchronize()``, the next
+``step()``, ``close()``) waits for the whole step first. An iteration then costs about
+max(compute, disk) instead of their sum.
+
+Concurrency: :class:`DeferredSteps` runs one step at a time on its own thread; ``start``,
+``wait`` and ``close`` are called from the training thread, ``done`` from the worker, and
+``wait_for`` from any thread running a forward pass. One condition variable guards the
+pending counts; a failed step is raised once, by the next ``wait`` (or ``wait_for``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+__all__ = ["DeferredSteps"]
+
+
+class DeferredSteps:
+    """A worker thread for steps, and the parameters whose update is still pending."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._pending: dict[int, int] = {}  # id(param) -> slices of this step still to run
+        self._future: Future[None] | None = None
+        self._failed = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierswap-step")
+        self._hook: Any = None
+
+    @property
+    def busy(self) -> bool:
+        """A step is scheduled or running."""
+        future = self._future
+        return future is not None and not future.done()
+
+    def start(self, counts: Mapping[int, int], run: Callable[[], None]) -> None:
+        """Run ``run`` on the worker; ``counts`` says how many slices hold each parameter
+        (by ``id``) that the step updates. Waits for the previous step first."""
+        self.wait()
+        with self._cv:
+            self._pending = dict(counts)
+            self._failed = False
+        self._future = self._pool.submit(self._run, run)
+
+    def _run(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException:
+            with self._cv:
+                self._failed = True
+            raise
+        finally:
+            with self._cv:
+                self._pending.clear()
+                self._cv.notify_all()
+
+    def done(self, params: Iterable[torch.Tensor]) -> None:
+        """The worker finished a slice that updated (parts of) ``params``."""
+        with self._cv:
+            for param in params:
+                left = self._pending.get(id(param), 0) - 1
+                if left > 0:
+                    self._pending[id(param)] = left
+                else:
+                    self._pending.pop(id(param), None)
+            self._cv.notify_all()
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Block until every one of ``params`` is updated (a module about to run forward)."""
+        if not self._pending:  # the common case: nothing pending, no lock taken
+            return
+        ids = {id(p) for p in params}
+        with self._cv:
+            while ids & self._pending.keys() and not self._failed:
+                self._cv.wait()
+        if self._failed:
+            self.wait()  # raises the step's failure
+
+    def wait(self) -> None:
+        """Block until the step in flight (if any) has finished; raise its failure once."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def hook_modules(self) -> None:
+        """Install the global forward pre-hook that waits for each module's own parameters
+        (it holds this object weakly: a dropped optimizer leaves no work in forward)."""
+        ref = weakref.ref(self)
+
+        def before_forward(module: torch.nn.Module, _args: Any) -> None:
+            steps = ref()
+            if steps is not None and steps._pending:
+                steps.wait_for(module.parameters(recurse=False))
+
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+
+    def close(self) -> None:
+        """Wait for the step in flight, remove the hook, stop the worker."""
+        try:
+            self.wait()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._pool.shutdown(wait=True)
