@@ -4,20 +4,25 @@ Every setting (engine x block size x threads) writes ``--size`` bytes durably an
 after the page cache was dropped, ``--repeat`` times, interleaved so that drift in the disk or in
 other load on the machine spreads over all settings alike. fio runs on the same folder as the
 reference when it is installed.
+
+Several ``--dir`` (one folder per drive) are measured one after the other within each repeat,
+then a store striped over all of them is measured against each folder alone; ``--tune`` then
+also writes each folder's weight (see :mod:`tierswap.cli._striped`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tierswap.cli import _args
+from tierswap.cli import _args, _striped
 from tierswap.cli._engines import (
     AiofilesEngine,
     FioEngine,
@@ -28,6 +33,7 @@ from tierswap.cli._engines import (
 from tierswap.cli._measure import (
     GB,
     Engine,
+    Sample,
     Setting,
     bench_folder,
     check_free_space,
@@ -48,7 +54,11 @@ DEFAULT_BLOCKS = "1MiB,4MiB,8MiB,16MiB"
 DEFAULT_THREADS = "1,2,4,8"
 
 _HELP = {
-    "dir": "folder to measure (on the disk you will swap to); default: the current folder",
+    "dir": (
+        "folder to measure (on the disk you will swap to); default: the current folder. Repeat "
+        "it for a swap_dir on several drives (--dir A --dir B): each folder is measured, then "
+        "one store striped over all of them, and --tune also writes each folder's weight"
+    ),
     "size": "bytes written and read per trial, e.g. 1GiB; the folder needs 2x free (default 1GiB)",
     "block-size": f"comma-separated request sizes, multiples of 4KiB (default {DEFAULT_BLOCKS})",
     "threads": f"comma-separated I/O thread counts (default {DEFAULT_THREADS})",
@@ -79,7 +89,7 @@ def add_parser(commands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--dir", type=Path, default=Path(), help=_HELP["dir"])
+    p.add_argument("--dir", type=Path, action="append", help=_HELP["dir"])
     p.add_argument("--size", type=_args.size, default="1GiB", help=_HELP["size"])
     p.add_argument(
         "--block-size", type=_args.size_list, default=DEFAULT_BLOCKS, help=_HELP["block-size"]
@@ -119,9 +129,15 @@ def _validate(args: argparse.Namespace) -> None:
             import matplotlib  # noqa: F401  (fail now, not after the whole run)
         except ImportError as exc:
             raise ConfigError("--plot needs matplotlib: pip install 'tierswap[bench]'") from exc
-    if not args.dir.is_dir():
-        raise ConfigError(f"--dir {str(args.dir)!r} is not a folder; create it or pass another one")
-    check_free_space(args.dir, args.size)
+    for folder in args.dir:
+        if not folder.is_dir():
+            raise ConfigError(
+                f"--dir {str(folder)!r} is not a folder; create it or pass another one"
+            )
+        check_free_space(folder, args.size)
+    resolved = [folder.resolve() for folder in args.dir]
+    if len(set(resolved)) != len(resolved):
+        raise ConfigError("a folder is given twice to --dir; pass each folder once")
 
 
 def _make_engine(setting: Setting, src: Any, dst: Any) -> Engine:
@@ -200,22 +216,63 @@ def _store_note(setting: Setting, engine: Engine) -> str:
     return "O_DIRECT" if direct else "buffered + fadvise"
 
 
-def _measure(args: argparse.Namespace, report: BenchReport, fio: FioEngine | None) -> None:
+def _measure(
+    args: argparse.Namespace,
+    reports: Sequence[BenchReport],
+    fios: Sequence[FioEngine | None],
+) -> _striped.Striped | None:
+    """Every setting in every folder, interleaved; then, for several folders, the striped
+    store against each folder alone (``None`` for one folder)."""
     src = random_source(args.size)
     dst = aligned_empty((args.size,), torch.uint8, pin=False)
+    plans = [_pairs(report, fio, src, dst) for report, fio in zip(reports, fios, strict=True)]
+    total = args.repeat * sum(len(pairs) for pairs in plans)
+    several = len(reports) > 1 and set(args.engine) & {"direct", "buffered"}
+    total += args.repeat * (len(reports) + 1) if several else 0
+    methods: list[set[str]] = [set() for _ in reports]
+    with contextlib.ExitStack() as stack:
+        roots = [stack.enter_context(bench_folder(folder)) for folder in args.dir]
+        done = stack.enter_context(_progress(total, sys.stderr.isatty()))
+        for _ in range(args.repeat):
+            for pairs, root, used in zip(plans, roots, methods, strict=True):
+                for result, engine in pairs:
+                    used.add(_trial(result, engine, root, args))
+                    done(_describe(result))
+        for report, pairs, used in zip(reports, plans, methods, strict=True):
+            _finish(report, pairs, used)
+        if not several:
+            return None
+
+        def single(setting: Setting, root: Path) -> Sample:
+            sample, _method = run_trial(_make_engine(setting, src, dst), root, args.drop_cache)
+            done(f"{setting.label} alone")
+            return sample
+
+        try:
+            return _striped.measure(
+                list(reports), src, dst, roots, repeat=args.repeat, drop=args.drop_cache,
+                single=single,
+            )  # fmt: skip
+        except ConfigError as exc:  # no tierswap setting ran in every folder
+            print(f"tierswap bench: striped store not measured: {exc}", file=sys.stderr)
+            return None
+
+
+def _pairs(
+    report: BenchReport, fio: FioEngine | None, src: torch.Tensor, dst: torch.Tensor
+) -> list[tuple[Result, Engine]]:
     engines = [_make_engine(r.setting, src, dst) for r in report.results]
     pairs: list[tuple[Result, Engine]] = list(zip(report.results, engines, strict=True))
     if fio is not None and report.fio is not None:
         pairs.append((report.fio, fio))
-    total = args.repeat * len(pairs)
-    methods: set[str] = set()
-    with bench_folder(args.dir) as root, _progress(total, sys.stderr.isatty()) as done:
-        for _ in range(args.repeat):
-            for result, engine in pairs:
-                methods.add(_trial(result, engine, root, args))
-                done(_describe(result))
-    for result, engine in zip(report.results, engines, strict=True):
-        result.note = _store_note(result.setting, engine)
+    return pairs
+
+
+def _finish(report: BenchReport, pairs: list[tuple[Result, Engine]], methods: set[str]) -> None:
+    """Notes, cache-drop method and fio's verdict of one folder's report."""
+    for result, engine in pairs:
+        if result is not report.fio:
+            result.note = _store_note(result.setting, engine)
     report.cache_drop = " + ".join(sorted(methods - {""})) or "-"
     if report.fio is not None and report.fio.skipped:
         report.fio_note = f"failed: {report.fio.skipped}"
@@ -232,19 +289,57 @@ def _fio(args: argparse.Namespace) -> tuple[FioEngine | None, Result | None, str
     return engine, Result(Setting("fio", bs, None), note=note), note
 
 
-def _emit(report: BenchReport, args: argparse.Namespace) -> None:
+def _emit(
+    reports: list[BenchReport], striped: _striped.Striped | None, args: argparse.Namespace
+) -> None:
     if args.json != "-":
-        print_table(report, sys.stdout)
+        for report in reports:
+            print_table(report, sys.stdout)
+        if striped is not None:
+            _print_striped(striped)
     if args.json:
-        write_json(report, args.json, sys.stdout)
+        _write_json(reports, striped, args.json)
     if args.plot:
-        plot_report(report, args.plot)
-        _say(args, f"plot written to {args.plot}")
+        for report, path in zip(reports, _plot_paths(args.plot, len(reports)), strict=True):
+            plot_report(report, path)
+            _say(args, f"plot written to {path}")
     if args.tune:
-        config = write_tune_file(report, args.tune)
+        if striped is not None:
+            config = _striped.write_tune_file(striped, args.tune)
+        else:
+            config = write_tune_file(reports[0], args.tune)
         _say(
             args, f"tuned {config} written to {args.tune}; use it with TIERSWAP_CONFIG={args.tune}"
         )
+
+
+def _print_striped(striped: _striped.Striped) -> None:
+    setting = striped.setting
+    print(f"\nseveral folders, {setting.label} (median of each folder alone, and striped):")
+    rows = striped.rows()
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _write_json(reports: list[BenchReport], striped: _striped.Striped | None, path: str) -> None:
+    if striped is None:
+        write_json(reports[0], path, sys.stdout)
+        return
+    data = {"dirs": [r.to_json() for r in reports], "several": striped.to_json()}
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
+
+
+def _plot_paths(path: str, count: int) -> list[Path]:
+    """``path`` for one folder; ``<stem>-<i><suffix>`` for each of several."""
+    base = Path(path)
+    if count == 1:
+        return [base]
+    return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -253,17 +348,23 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success (errors surface as TierswapError)."""
+    args.dir = args.dir or [Path()]
     _validate(args)
-    fio_engine, fio_result, fio_note = _fio(args)
-    report = BenchReport(
-        directory=str(args.dir.resolve()),
-        size_bytes=args.size,
-        repeat=args.repeat,
-        cache_drop="",
-        results=[Result(s) for s in plan(args)],
-        fio=fio_result,
-        fio_note=fio_note,
-    )
-    _measure(args, report, fio_engine)
-    _emit(report, args)
+    reports, fios = [], []
+    for folder in args.dir:
+        fio_engine, fio_result, fio_note = _fio(args)
+        reports.append(
+            BenchReport(
+                directory=str(folder.resolve()),
+                size_bytes=args.size,
+                repeat=args.repeat,
+                cache_drop="",
+                results=[Result(s) for s in plan(args)],
+                fio=fio_result,
+                fio_note=fio_note,
+            )
+        )
+        fios.append(fio_engine)
+    striped = _measure(args, reports, fios)
+    _emit(reports, striped, args)
     return 0

@@ -6,6 +6,10 @@ tensors, bytes, disk use, the largest parameters), then one line per parameter i
 ``transformer.h.0.attn.c_attn.weight/{exp_avg,exp_avg_sq,master}``). ``--all`` lists every
 array instead; ``--json`` prints the full record. The store is opened read-only (``mode="r"``),
 which is allowed while a writer has it open; the figures are those of the last commit it sees.
+
+A store on several folders (one per drive) is inspected through its home folder, which lists
+the others (or through all of them, in order: ``tierswap inspect A B``); a ``folders`` line
+shows what each folder holds on disk, i.e. how the chunks are spread over the drives.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import datetime
 import json
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,13 @@ def add_parser(commands: Any) -> None:
         "inspect", help="summarize a store: writer, commit, parameters, disk use",
         description=__doc__,
     )  # fmt: skip
-    p.add_argument("dir", type=Path, metavar="DIR", help="the store's folder")
+    p.add_argument(
+        "dir",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="the store's folder (its home, for a store on several folders; or all, in order)",
+    )
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
     p.add_argument(
         "--all", action="store_true", help="list every array, not one line per parameter"
@@ -56,11 +66,14 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def collect(folder: Path) -> dict[str, Any]:
+def collect(folder: Path | Sequence[Path]) -> dict[str, Any]:
     """The store's description as plain data (what ``--json`` prints)."""
-    if not folder.is_dir():
-        raise ConfigError(f"{str(folder)!r} is not a folder; pass the folder of a tierswap store")
-    with SwapStore(folder, mode="r") as store:
+    folders = [folder] if isinstance(folder, Path) else list(folder)
+    for path in folders:
+        if not path.is_dir():
+            raise ConfigError(f"{str(path)!r} is not a folder; pass the folder of a tierswap store")
+    folder = folders[0]
+    with SwapStore(folders, mode="r") as store:
         infos = [store.info(key) for key in sorted(store.keys(), key=natural_key)]
         described = {
             "path": str(store.path),
@@ -69,6 +82,7 @@ def collect(folder: Path) -> dict[str, Any]:
             "meta": store.meta,
         }
         disk_bytes = store.disk_usage()
+        usage = store.folder_usage()
     meta = described["meta"] if isinstance(described["meta"], dict) else {}
     arrays: list[dict[str, Any]] = [
         {"key": a.key, "dtype": _dtype_name(a.dtype), "shape": list(a.shape), "nbytes": a.nbytes}
@@ -81,6 +95,7 @@ def collect(folder: Path) -> dict[str, Any]:
         parameters=_parameters(arrays, _optimizer(meta)),
         nbytes=sum(a["nbytes"] for a in arrays),
         disk_bytes=disk_bytes,
+        folders=[{"path": path, "disk_bytes": used} for path, used in usage.items()],
         committed=_commit_time(meta, folder),
     )
     return described
@@ -188,6 +203,11 @@ def _summary(described: dict[str, Any]) -> Iterable[tuple[str, str]]:
             f"{format_size(described['nbytes'])}; {format_size(described['disk_bytes'])} on disk"
         ),
     )
+    if len(described["folders"]) > 1:
+        yield (
+            "folders",
+            ", ".join(f"{f['path']} {format_size(f['disk_bytes'])}" for f in described["folders"]),
+        )
     largest = sorted(described["parameters"], key=lambda p: -p["nbytes"])[:LARGEST]
     if largest:
         yield "largest", ", ".join(f"{p['name']} {format_size(p['nbytes'])}" for p in largest)

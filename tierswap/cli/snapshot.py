@@ -4,6 +4,11 @@ DEST must be new or empty. On the same filesystem the chunk files are hard links
 copied, and neither folder changes the other afterwards); elsewhere they are copied (reflinked
 where the filesystem can), with a progress bar for large copies. SRC is opened read-only, so
 this works while a writer has it open; the snapshot is the last commit that writer made.
+
+A store on several folders (SRC is its home folder) makes a snapshot on as many folders: pass
+one DEST per folder (each on its source folder's drive, so that every chunk is linked), or a
+single DEST, which then holds the other folders inside its private folder (chunks of the other
+drives are copied); either opens as a store through DEST (the first).
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ def add_parser(commands: Any) -> None:
         description=__doc__,
     )
     p.add_argument("src", type=Path, metavar="SRC", help="the store's folder")
-    p.add_argument("dest", type=Path, metavar="DEST", help="a new or empty folder")
+    p.add_argument(
+        "dest",
+        type=Path,
+        nargs="+",
+        metavar="DEST",
+        help="a new or empty folder (or one per folder of a store on several folders)",
+    )
     p.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
