@@ -24,7 +24,7 @@ from tierswap.pipeline import Pipeline, Region, write_regions
 from tierswap.tiers import DEVICE, HOST, NVME
 
 if TYPE_CHECKING:
-    from tierswap.store import SwapStore
+    from tierswap.store import StorePaths, SwapStore
 
 __all__ = ["SMALL_KEY", "StateBackend", "resolve_swap_dir"]
 
@@ -32,21 +32,25 @@ SMALL_KEY = "optim/small"
 META_KEY = "tierswap.optim"
 
 
-def resolve_swap_dir(swap_dir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
-    """The folder to use and whether it is a temporary one to remove at close.
+def resolve_swap_dir(swap_dir: StorePaths | None) -> tuple[list[Path], bool]:
+    """The folders to use (one, or one per drive, the home first) and whether the folder is a
+    temporary one to remove at close.
 
-    Under an initialised ``torch.distributed`` process group each rank gets ``rank-<r>``.
+    Under an initialised ``torch.distributed`` process group each rank gets ``rank-<r>`` (in
+    each folder of a list).
     """
     if swap_dir is None:
-        return Path(tempfile.mkdtemp(prefix="tierswap-optim-")), True
+        return [Path(tempfile.mkdtemp(prefix="tierswap-optim-"))], True
+    if isinstance(swap_dir, (str, os.PathLike)):
+        return [rank_swap_dir(swap_dir)], False
     return rank_swap_dir(swap_dir), False
 
 
-def _open_store(path: Path, *, durable: bool, resume: bool, chunk_bytes: int) -> SwapStore:
-    """Open the swap folder's store."""
+def _open_store(folders: list[Path], *, durable: bool, resume: bool, chunk_bytes: int) -> SwapStore:
+    """Open the swap folders' store."""
     from tierswap.store import SwapStore
 
-    return SwapStore(path, mode="a" if resume else "w", durable=durable, chunk_bytes=chunk_bytes)
+    return SwapStore(folders, mode="a" if resume else "w", durable=durable, chunk_bytes=chunk_bytes)
 
 
 class StateBackend:
@@ -55,7 +59,8 @@ class StateBackend:
     Parameters
     ----------
     swap_dir:
-        Folder of the store; ``None`` makes a temporary one, removed by :meth:`close`.
+        Folder of the store, or a list of folders (one per drive); ``None`` makes a temporary
+        one, removed by :meth:`close`.
     budget:
         Host bytes of the pipeline (resident slices and slices in flight).
     chunk_bytes:
@@ -66,7 +71,7 @@ class StateBackend:
 
     def __init__(
         self,
-        swap_dir: str | os.PathLike[str] | None,
+        swap_dir: StorePaths | None,
         *,
         budget: int,
         durable: bool,
@@ -75,13 +80,14 @@ class StateBackend:
         device_budget: int = 0,
         device: torch.device | None = None,
     ) -> None:
-        self.path, temporary = resolve_swap_dir(swap_dir)
+        self.folders, temporary = resolve_swap_dir(swap_dir)
+        self.path = self.folders[0]  # the home
         self._cleanup = (
             weakref.finalize(self, shutil.rmtree, str(self.path), True) if temporary else None
         )
         try:
             self.store = _open_store(
-                self.path, durable=durable, resume=resume, chunk_bytes=chunk_bytes
+                self.folders, durable=durable, resume=resume, chunk_bytes=chunk_bytes
             )
         except BaseException:
             if self._cleanup is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from tierswap.config import Size, parse_size
@@ -27,7 +28,7 @@ class SwapConfig:
     ``commit()`` and at ``close()``.
     """
 
-    swap_dir: str | os.PathLike[str] | None = None
+    swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
     host_budget: Size | None = None
     device_budget: Size = 0
     policy: str | EvictionPolicy = "lookahead"

@@ -28,6 +28,7 @@ from tierswap.optim.distributed import check_same_step, rank_swap_dir
 from tierswap.store import (
     Progress,
     SnapshotResult,
+    StorePaths,
     check_apart,
     check_destination,
     replace_with_snapshot,
@@ -68,7 +69,7 @@ def snapshot(
     """
     backend = optimizer._backend
     dest = rank_swap_dir(Path(dest).absolute())
-    check_destination(backend.path, dest)  # fail before committing
+    check_destination(backend.folders, dest)  # fail before committing
     check_same_step(optimizer.steps, backend.path, "snapshot")
     if _needs_commit(optimizer):
         optimizer.commit()
@@ -185,13 +186,14 @@ def load_snapshot(optimizer: SwapOptimizer, path: str | os.PathLike[str]) -> Non
     config = optimizer._config
     source = _rank_source(Path(path).absolute())
     old = optimizer._backend
-    live = old.path
-    check_apart(source, live)
+    live, folders = old.path, old.folders
+    for folder in folders:
+        check_apart(source, folder)
     _check_optimizer_snapshot(source)
     temporary = config.swap_dir is None
     optimizer._finalizer.detach()
     old.close()  # removes a temporary folder, which the snapshot then recreates
-    replace_with_snapshot(source, live)
+    replace_with_snapshot(source, folders)
     backend = StateBackend(
         live if temporary else config.swap_dir,
         budget=optimizer.host_budget,
@@ -208,9 +210,10 @@ def load_snapshot(optimizer: SwapOptimizer, path: str | os.PathLike[str]) -> Non
     optimizer._stepped.clear()
 
 
-def seed_swap_dir(swap_dir: str | os.PathLike[str], resume_from: str | os.PathLike[str]) -> None:
-    """For ``resume_from``: make ``swap_dir`` a copy (by hard links) of the snapshot."""
-    live, _temporary = resolve_swap_dir(Path(swap_dir))
+def seed_swap_dir(swap_dir: StorePaths, resume_from: str | os.PathLike[str]) -> None:
+    """For ``resume_from``: make ``swap_dir`` (a folder, or one per drive) a copy (by hard
+    links) of the snapshot."""
+    live, _temporary = resolve_swap_dir(swap_dir)
     source = _rank_source(Path(resume_from).absolute())
     _check_optimizer_snapshot(source)
     replace_with_snapshot(source, live)

@@ -2,8 +2,9 @@
 
 tierswap has no communication layer of its own. Under ``torch.distributed`` each rank owns the
 optimizer state of its own parameters (``ZeroRedundancyOptimizer``) or of its local shards
-(FSDP2 ``fully_shard``) and swaps it to its own folder ``swap_dir/rank-<r>``; torch moves the
-gradients and parameters between ranks exactly as it does for an in-memory optimizer. A
+(FSDP2 ``fully_shard``) and swaps it to its own folder ``swap_dir/rank-<r>`` (with a list of
+folders, one per drive: ``<folder>/rank-<r>`` in each); torch moves the gradients and
+parameters between ranks exactly as it does for an in-memory optimizer. A
 ``DTensor`` parameter is stepped and swapped through its local shard (``Slot.local``).
 
 Every commit records the world size and rank that wrote it; resuming a folder with another
@@ -14,8 +15,9 @@ that belongs to another partitioning of the model.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -45,13 +47,26 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def rank_swap_dir(swap_dir: str | os.PathLike[str]) -> Path:
+@overload
+def rank_swap_dir(swap_dir: str | os.PathLike[str]) -> Path: ...  # type: ignore[overload-overlap]
+
+
+@overload
+def rank_swap_dir(swap_dir: Sequence[str | os.PathLike[str]]) -> list[Path]: ...
+
+
+def rank_swap_dir(
+    swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> Path | list[Path]:
     """The folder this process swaps to: ``swap_dir/rank-<r>`` inside a process group.
 
     The rank is the global rank of the default process group, so every process on every node
     gets its own folder, on the node's local disk when ``swap_dir`` is a local path. Outside
-    ``torch.distributed`` it is ``swap_dir`` itself.
+    ``torch.distributed`` it is ``swap_dir`` itself. A list of folders (one per drive) gives
+    the list of ``<folder>/rank-<r>``.
     """
+    if not isinstance(swap_dir, (str, os.PathLike)):
+        return [rank_swap_dir(folder) for folder in swap_dir]
     path = Path(swap_dir)
     if _distributed():
         path = path / f"rank-{torch.distributed.get_rank()}"
