@@ -47,7 +47,7 @@ from tierswap.optim._probe import (
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.pipeline import Job, Region
-from tierswap.store import Progress, SnapshotResult
+from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["SwapOptimizer"]
@@ -80,8 +80,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         spans a parameter (Muon, Adafactor) step whole parameters; one that mixes parameters
         raises ``ConfigError`` (all checked at construction).
     swap_dir:
-        Folder of the swap store. ``None``: a temporary folder removed by :meth:`close`.
-        Under ``torch.distributed`` each rank uses ``swap_dir/rank-<r>``.
+        Folder of the swap store, or a list of folders, one per drive (chunk files spread
+        over them; the first holds the store's metadata). ``None``: a temporary folder removed
+        by :meth:`close`. Under ``torch.distributed`` each rank uses ``<folder>/rank-<r>``.
     host_budget, device_budget:
         Byte budgets of the host and device tiers (ints or strings such as ``"4GiB"``); the
         host budget holds every buffer of the step: resident slices and slices in flight.
@@ -124,7 +125,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        swap_dir: str | os.PathLike[str] | None = None,
+        swap_dir: StorePaths | None = None,
         host_budget: int | str | None = None,
         device_budget: int | str = 0,
         policy: str | EvictionPolicy = "lookahead",
