@@ -24,6 +24,7 @@ import torch
 
 BATCH = 8
 LR = 1e-4
+GPT2_BATCH, GPT2_TOKENS = 4, 64
 
 
 def build_model(width: int, depth: int) -> torch.nn.Sequential:
@@ -35,8 +36,33 @@ def build_model(width: int, depth: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def _data(width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(BATCH, width), torch.randn(BATCH, 1)
+def build_gpt2() -> torch.nn.Module:
+    """GPT-2 124M (transformers' GPT2LMHeadModel, 12 layers, dim 768), random init: no
+    download, a config and random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_positions=GPT2_TOKENS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class Workload:
+    """The model of ``--model`` and the loss of one iteration on its fixed batch."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.manual_seed(0)
+        self.gpt2 = args.model == "gpt2"
+        self.model = build_gpt2() if self.gpt2 else build_model(args.width, args.depth)
+        if self.gpt2:
+            gen = torch.Generator().manual_seed(1)
+            vocab = self.model.config.vocab_size
+            self.tokens = torch.randint(vocab, (GPT2_BATCH, GPT2_TOKENS), generator=gen)
+        else:
+            self.x, self.y = torch.randn(BATCH, args.width), torch.randn(BATCH, 1)
+
+    def loss(self, model: Callable[..., Any]) -> torch.Tensor:
+        if self.gpt2:
+            return model(input_ids=self.tokens, labels=self.tokens).loss
+        return torch.nn.functional.mse_loss(model(self.x), self.y)
 
 
 def _disk_bytes() -> dict[str, int]:
@@ -72,24 +98,39 @@ def _time_iterations(
     return result
 
 
-def _torch_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int) -> Callable:
-    x, y = _data(width)
+def _torch_loop(
+    work: Workload, opt: torch.optim.Optimizer, phases: dict[str, list[float]]
+) -> Callable:
+    """One iteration, each phase timed into ``phases`` (forward includes any wait for the
+    previous step's updates; step is what ``opt.step()`` takes before it returns)."""
 
     def iterate() -> None:
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        start = time.perf_counter()
+        loss = work.loss(work.model)
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        end = time.perf_counter()
+        phases["forward"].append(forward - start)
+        phases["backward"].append(backward - forward)
+        phases["step"].append(end - backward)
 
     return iterate
 
 
+def _phases() -> dict[str, list[float]]:
+    return {"forward": [], "backward": [], "step": []}
+
+
 def run_ram(args: argparse.Namespace) -> dict[str, Any]:
     """torch.optim.AdamW with all state in RAM."""
-    torch.manual_seed(0)
-    model = build_model(args.width, args.depth)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0)
-    return _time_iterations(_torch_loop(model, opt, args.width), args.iters, DISK)
+    work = Workload(args)
+    opt = torch.optim.AdamW(work.model.parameters(), lr=LR, weight_decay=0)
+    phases = _phases()
+    result = _time_iterations(_torch_loop(work, opt, phases), args.iters, DISK)
+    return {**result, "phases": phases}
 
 
 def _nvme_counter(opt: torch.optim.Optimizer) -> Counters | None:
@@ -110,23 +151,23 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
     """tierswap.SwapOptimizer around torch.optim.AdamW, with the mode's keyword arguments."""
     import tierswap
 
-    torch.manual_seed(0)
-    model = build_model(args.width, args.depth)
+    work = Workload(args)
     opt = tierswap.SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0, swap_dir=args.dir,
+        work.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0, swap_dir=args.dir,
         host_budget=args.host_budget, **json.loads(args.options),
     )  # fmt: skip
     counters = dict(DISK)
     nvme = _nvme_counter(opt)
     if nvme is not None:
         counters["swap_bytes"] = nvme
+    phases = _phases()
     try:
-        result = _time_iterations(_torch_loop(model, opt, args.width), args.iters, counters)
+        result = _time_iterations(_torch_loop(work, opt, phases), args.iters, counters)
         if hasattr(opt, "tier_stats"):
             result["tier_stats"] = opt.tier_stats()
     finally:
         opt.close()
-    return result
+    return {**result, "phases": phases}
 
 
 def deepspeed_config(args: argparse.Namespace, pipelined: bool) -> dict[str, Any]:
@@ -162,17 +203,16 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = build_model(args.width, args.depth)
+    work = Workload(args)
     config = deepspeed_config(args, json.loads(args.options).get("pipelined", False))
+    if work.gpt2:
+        config["train_micro_batch_size_per_gpu"] = GPT2_BATCH
     engine, _opt, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
+        model=work.model, model_parameters=work.model.parameters(), config=config
     )
-    x, y = _data(args.width)
 
     def iterate() -> None:
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
+        engine.backward(work.loss(engine))
         engine.step()
 
     try:
@@ -194,6 +234,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
     args = p.parse_args()
     faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where
     result = RUNNERS[args.config](args)

@@ -69,6 +69,8 @@ MODES: dict[str, dict[str, Any]] = {
     "backward": {"overlap": "backward"},
     "nocommit": {"commit_every": 0},
     "nocommit-backward": {"commit_every": 0, "overlap": "backward"},
+    "forward": {"overlap": "forward"},
+    "forward-commit10": {"overlap": "forward", "commit_every": 10},
 }
 #: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
 DEEPSPEED: dict[str, dict[str, Any]] = {
@@ -79,10 +81,14 @@ TARGET_VS_DEEPSPEED = 1.5
 TARGET_VS_BOUND = 1.15
 
 
-def _state_bytes(width: int, depth: int) -> int:
+def _state_bytes(width: int, depth: int, model: str = "mlp") -> int:
     """AdamW's exp_avg + exp_avg_sq of the model, fp32."""
-    params = depth * (width * width + width) + width + 1
+    params = GPT2_PARAMS if model == "gpt2" else depth * (width * width + width) + width + 1
     return 2 * 4 * params
+
+
+#: GPT2LMHeadModel's parameters with 64 positions (the head is tied to the embedding).
+GPT2_PARAMS = 123_702_528
 
 
 def _free_port() -> int:
@@ -111,7 +117,7 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     """The command line and environment of one configuration's process."""
     env = dict(os.environ)
     common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
-    common += ["--width", str(args.width), "--depth", str(args.depth)]
+    common += ["--width", str(args.width), "--depth", str(args.depth), "--model", args.model]
     if config == "ram":
         return [sys.executable, str(CHILD), "--config", "ram", *common], env
     if config in MODES:
@@ -180,7 +186,7 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[
     """All configurations once per round, interleaved, with a fio trial at the start of each."""
     runs: dict[str, list[dict]] = {config: [] for config in configs}
     fio: list[dict[str, float]] = []
-    nbytes = _state_bytes(args.width, args.depth)
+    nbytes = _state_bytes(args.width, args.depth, args.model)
     for round_ in range(args.rounds):
         bandwidth = _fio_trial(folder, nbytes)
         if bandwidth is not None:
@@ -224,10 +230,22 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict[str
             "peak_rss": max(r["peak_rss"] for r in ok),
             "disk_per_iter": _per_iteration(ok, "disk", args),
             "swap_bytes_per_iter": _per_iteration(ok, "swap_bytes", args),
+            "phases": _phase_medians(ok, args),
             "failed_rounds": len(results) - len(ok),
             "nonzero_exits": sum(1 for r in ok if r.get("exit_code")),
         }
     return summary
+
+
+def _phase_medians(results: list[dict], args: argparse.Namespace) -> dict[str, float] | None:
+    """Median seconds of forward, backward and step over the counted iterations."""
+    phases = [r["phases"] for r in results if "phases" in r]
+    if not phases:
+        return None
+    return {
+        name: statistics.median(t for p in phases for t in p[name][1 : args.iters])
+        for name in ("forward", "backward", "step")
+    }
 
 
 def io_bound(moved: dict[str, float] | None, fio: list[dict[str, float]]) -> float | None:
@@ -276,6 +294,10 @@ def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
             f"{_ratio(row['median_s'], best_ds):>9} {format_size(row['peak_rss']):>11} "
             f"{_mb(row['disk_per_iter']):>19}"
         )
+        if row.get("phases"):
+            ph = row["phases"]
+            print(f"  forward {ph['forward']:.3f} s, backward {ph['backward']:.3f} s, "
+                  f"step {ph['step']:.3f} s")  # fmt: skip
         if row["failed_rounds"] or row["nonzero_exits"]:
             print(f"  ({row['failed_rounds']} round(s) failed, {row['nonzero_exits']} exited "
                   "non-zero after printing a result; see the JSON)")  # fmt: skip
@@ -365,6 +387,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration run")
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")
+    p.add_argument(
+        "--model", choices=["mlp", "gpt2"], default="mlp",
+        help="mlp: the synthetic model above; gpt2: GPT-2 124M (transformers, random init), "
+        "batch 4 x 64 tokens",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.iters < 2 or args.rounds < 1:
         p.error(f"--iters {args.iters} / --rounds {args.rounds}: need iters >= 2, rounds >= 1")
