@@ -194,6 +194,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._params_written: set[int] = set()  # params the last step wrote to the store
         self._plan_of_step: StepPlan | None = None
         self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
+        self._read_ahead = False  # overlap="forward": this backward started the step's reads
         if config.overlap == "forward":
             self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
@@ -322,7 +323,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
         }
         sizes = {str(piece.index): piece.working_set for piece in self._slices}
-        schedule = [str(piece.index) for piece in self._slices]
+        order = self._slices[::-1] if self._config.overlap == "forward" else self._slices
+        schedule = [str(piece.index) for piece in order]  # the order the slices step in
         placed = place(policies, schedule, sizes, capacities)
         return {int(key): cast(TierName, tier) for key, tier in placed.items()}
 
@@ -434,6 +436,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         plan.live |= live
         plan.groups = [_frozen(group) for group in self.param_groups]  # the scheduler moves on
         plan.grads = {index: self._slots[index].param.grad for index in live}
+        self._read_ahead = False  # the next backward starts the next step's reads
         counts: Counter[int] = Counter()
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
@@ -466,8 +469,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         slot = self._slot_of.get(id(param))
         if slot is None or self._backend.closed:
             return
-        if self._config.overlap == "forward":
-            return  # the worker reads ahead, in forward order, from step() on
+        if self._config.overlap == "forward":  # read ahead now for the next step, in its order
+            if not self._read_ahead and not self._deferred.busy:
+                self._read_ahead = True
+                self._backend.pipeline.prefetch([self._job(p) for p in self._slices[::-1]])
+            return
         if self._config.overlap != "backward":
             self._backend.pipeline.prefetch([self._job(p) for p in self._slices_of[slot.index]])
             return
