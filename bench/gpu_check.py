@@ -1,20 +1,23 @@
-"""GPU check for SwapOptimizer (issue 4): equivalence and overlap on a CUDA device, < 5 minutes.
+"""GPU check for SwapOptimizer: equivalence, tiers and overlap on a CUDA device, < 5 minutes.
 
     python bench/gpu_check.py [--dir /nvme/tmp] [--json gpu_check.json]
 
 CI has no GPU; run this on a machine with one. Each check prints PASS/FAIL and a figure; the exit
 status is non-zero when any check fails. Checks:
-  1. bitwise: CUDA fp32 params, device tier on, host budget a quarter of the state (state
-     cycles device <-> host <-> NVMe every step): params and state equal plain AdamW on the GPU
-     (foreach, the CUDA default) and with fused=True.
-  2. bitwise, device tier off: the step runs on fp32 host masters; equal to plain AdamW run on
+  1. bitwise, streamed: CUDA fp32 params, device tier on, host budget a quarter of the state
+     (slices stream NVMe -> host -> device every step): params and state equal plain AdamW on
+     the GPU (foreach, the CUDA default) and with fused=True.
+  2. bitwise, device-resident: a device budget that holds the whole state: after the first step
+     nothing is read from disk, the device tier reports what it holds and its hits.
+  3. bitwise, device tier off: the step runs on fp32 host masters; equal to plain AdamW run on
      CPU copies fed the same gradients.
-  3. mixed precision: bf16 CUDA params, fp32 masters swapped; equal to a hand-written
+  4. mixed precision: bf16 CUDA params, fp32 masters swapped; equal to a hand-written
      fp32-master reference on the GPU.
-  4. pinned host buffers: the pipeline's slice buffers are page-locked.
-  5. overlap: after backward (hooks on) the first slice's state is resident or being read
-     before step() starts; step time with hooks vs without, and the time step() waited.
-  6. device memory: peak allocated <= model + grads + device budget + 10%.
+  5. pinned host buffers: the engine's host buffers are page-locked.
+  6. overlap: after backward the pipeline already holds reads of the step's first slices; the
+     iteration with overlap="forward" (the step runs into the next forward) against the
+     default, both bitwise equal to torch, with CUDA-event timings of forward, backward, step.
+  7. device memory: peak allocated <= model + grads + activations + device budget + 10%.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tierswap as ts
-from tierswap.optim import _hooks
+from tierswap.engine import allocate
 
 RESULTS: dict[str, dict] = {}
 DEVICE = "cuda"  # --device cpu runs the same code paths without a GPU (a dry run of the script)
@@ -117,6 +120,36 @@ def check_bitwise_device(folder: Path, steps: int, fused: bool) -> None:
                steps=steps, nvme_bytes_read=nvme["bytes_read"], tier=opt.tier)  # fmt: skip
 
 
+def check_device_resident(folder: Path, steps: int) -> None:
+    plain_model = make_model()
+    swap_model = copy.deepcopy(plain_model)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    state = 8 * sum(p.numel() for p in swap_model.parameters())
+    opt = ts.SwapOptimizer(
+        swap_model.parameters(), torch.optim.AdamW, lr=1e-3, swap_dir=folder / "resident",
+        host_budget=state // 4, device_budget=2 * state, durable=False, commit_every=0,
+    )  # fmt: skip
+    with opt:
+        for index, x in enumerate(batches(steps)):
+            for model, o in ((plain_model, plain), (swap_model, opt)):
+                o.zero_grad()
+                loss_of(model, x).backward()
+                o.step()
+            if index == 0:
+                read_after_first = opt.tier_stats()["nvme"]["bytes_read"]
+        sync()
+        stats = opt.tier_stats()
+        ok = same(plain_model.parameters(), swap_model.parameters())
+        ok = ok and same_state(plain.state_dict(), opt.state_dict())
+        device = stats["device"]
+        held = set(opt.placement.values()) == {"device"} and device["used"] > 0
+        no_reads = stats["nvme"]["bytes_read"] == read_after_first
+        later_reads = stats["nvme"]["bytes_read"] - read_after_first
+        record("bitwise, state resident in the device tier", ok and held and no_reads,
+               device_used=device["used"], device_hits=device["hits"],
+               nvme_bytes_read_after_first_step=later_reads)  # fmt: skip
+
+
 def check_bitwise_host_step(folder: Path, steps: int) -> None:
     swap_model = make_model()
     cpu_params = [p.detach().cpu().clone().requires_grad_() for p in swap_model.parameters()]
@@ -168,53 +201,78 @@ def check_mixed_precision(folder: Path, steps: int) -> None:
 
 
 def check_pinned(folder: Path) -> None:
-    model = make_model()
-    opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / "pin", host_budget="128MiB",
-                           durable=False)  # fmt: skip
-    with opt:
-        opt.zero_grad()
-        loss_of(model, batches(1)[0]).backward()
-        opt.step()
-        pool = opt._backend.pipeline._pool  # the slice buffers the pipeline reads into
-        buffers = [b for free in pool._free.values() for b in free]
-        pinned = bool(buffers) and all(b.is_pinned() for b in buffers)
-        record("pinned host buffers", pinned, buffers=len(buffers))
+    """The engine's one allocator makes every host buffer (pipeline and cache) page-locked."""
+    buffers = [allocate((n,), torch.float32) for n in (1, 1024, 1 << 20)]
+    pinned = all(b.is_pinned() for b in buffers)
+    record("pinned host buffers", pinned, buffers=len(buffers))
 
 
-def _iteration(model, opt, x) -> float:
-    """Seconds of ``opt.step()`` after a forward and backward."""
+class _Phases:
+    """Forward, backward and step seconds of one iteration, from CUDA events (wall clock on
+    the CPU dry run)."""
+
+    def __init__(self) -> None:
+        self.marks: list[object] = []
+
+    def mark(self) -> None:
+        if DEVICE == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        sync()
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        if DEVICE == "cuda":
+            return [a.elapsed_time(b) / 1000 for a, b in pairs]  # type: ignore[attr-defined]
+        return [b - a for a, b in pairs]  # type: ignore[operator]
+
+
+def _iteration(model, opt, x) -> list[float]:
+    """Seconds of forward, backward and ``opt.step()`` of one iteration."""
+    phases = _Phases()
     opt.zero_grad()
-    loss_of(model, x).backward()
-    sync()
-    start = time.perf_counter()
+    phases.mark()
+    loss = loss_of(model, x)
+    phases.mark()
+    loss.backward()
+    phases.mark()
     opt.step()
-    sync()
-    return time.perf_counter() - start
+    phases.mark()
+    return phases.seconds()
 
 
 def check_overlap(folder: Path, steps: int) -> None:
-    model = make_model(width=4096, depth=8)  # ~134M params: ~1 GiB of AdamW state
-    state = 8 * sum(p.numel() for p in model.parameters())
-    budget = max(state // 4, min_budget(model.parameters(), device_budget=1 << 40))
-    opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / "overlap", host_budget=budget,
-                           device_budget=budget, durable=False)  # fmt: skip
-    data = batches(2 * steps + 1, width=4096)
-    with opt:
-        _iteration(model, opt, data[0])
-        first = opt.slices[0].index
-        opt.zero_grad()
-        loss_of(model, data[1]).backward()
-        pipeline = opt._backend.pipeline
-        started = first in pipeline._reading or pipeline.resident(first) is not None
-        opt.step()
-        hooked = [_iteration(model, opt, x) for x in data[2 : 2 + steps]]
-        stall0 = opt.tier_stats()["stall_seconds"]
-        _hooks.remove(opt._hook_handles)
-        plain = [_iteration(model, opt, x) for x in data[2 + steps :]]
-        stall1 = opt.tier_stats()["stall_seconds"]
-    record("overlap: first slice read or resident after backward", started,
-           step_s_hooks=round(min(hooked), 4), step_s_no_hooks=round(min(plain), 4),
-           stall_s_total=round(stall1, 3), stall_s_with_hooks=round(stall0, 3))  # fmt: skip
+    """Reads start in backward; overlap="forward" against the default, both bitwise."""
+    base = make_model(width=4096, depth=8)  # ~134M params: ~1 GiB of AdamW state
+    state = 8 * sum(p.numel() for p in base.parameters())
+    data = batches(steps + 1, width=4096)
+    figures: dict[str, object] = {}
+    finals = {}
+    for mode in (None, "forward"):
+        model = copy.deepcopy(base)
+        opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / f"overlap-{mode}",
+                               host_budget=state // 4, device_budget=state // 4,
+                               durable=False, overlap=mode)  # fmt: skip
+        with opt:
+            _iteration(model, opt, data[0])
+            opt.synchronize()
+            opt.zero_grad()
+            loss_of(model, data[1]).backward()
+            figures[f"held_after_backward_{mode}"] = opt.tier_stats()["host"]["used"]
+            opt.step()
+            times = [_iteration(model, opt, x) for x in data[2:]]
+            opt.synchronize()
+            iteration = min(sum(t) for t in times)
+            figures[f"iteration_s_{mode}"] = round(iteration, 4)
+            figures[f"forward_backward_step_s_{mode}"] = [round(v, 4) for v in min(times, key=sum)]
+            figures[f"stall_s_{mode}"] = round(opt.tier_stats()["stall_seconds"], 3)
+            finals[mode] = [p.detach().clone() for p in model.parameters()]
+    ok = same(finals[None], finals["forward"])
+    ok = ok and figures["held_after_backward_None"] > 0
+    record("overlap: reads start in backward; forward mode bitwise", ok, **figures)
 
 
 def _peak_of(model, opt, data) -> int:
@@ -273,6 +331,7 @@ def main() -> int:
     checks = [
         lambda: check_bitwise_device(folder, args.steps, fused=False),
         lambda: check_bitwise_device(folder, args.steps, fused=True),
+        lambda: check_device_resident(folder, args.steps),
         lambda: check_bitwise_host_step(folder, args.steps),
         lambda: check_mixed_precision(folder, args.steps),
         lambda: check_overlap(folder, args.steps),
