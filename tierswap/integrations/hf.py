@@ -97,6 +97,8 @@ class TierswapCallback(TrainerCallback):
         the folder is the one ``Trainer._save_checkpoint`` writes (no hyper-parameter search).
         """
         opt = self._optimizer(kwargs)
+        if opt is not None and (control.should_save or control.should_evaluate):
+            opt.synchronize()  # the model's weights are read next (a step may still run)
         if opt is None or not self.snapshot_on_save or not control.should_save:
             return
         dest = Path(args.output_dir).absolute() / f"checkpoint-{state.global_step}" / SNAPSHOT_DIR
