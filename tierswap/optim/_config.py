@@ -10,6 +10,7 @@ from typing import Any
 from tierswap.config import Size, parse_size
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import ConfigError
+from tierswap.optim._formats import MasterFormat, StatePrecision, check_master, check_precision
 
 __all__ = ["SwapConfig"]
 
@@ -25,7 +26,8 @@ class SwapConfig:
 
     ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
     ``device_budget=0`` turns the device tier off. ``commit_every=0`` commits only on
-    ``commit()`` and at ``close()``.
+    ``commit()`` and at ``close()``. ``state_precision`` and ``master`` choose the compact
+    formats of :mod:`tierswap.optim._formats` (``"fp32"``: exact, the default).
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
@@ -38,6 +40,8 @@ class SwapConfig:
     overlap: str | None = None
     accumulation_steps: int = 1
     resume_from: str | os.PathLike[str] | None = None
+    state_precision: StatePrecision = "fp32"
+    master: MasterFormat = "fp32"
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -56,6 +60,8 @@ class SwapConfig:
             raise ConfigError(f"overlap={self.overlap!r} must be None, 'backward' or 'forward'")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
+        check_precision(self.state_precision)
+        check_master(self.master)
         if self.resume_from is not None:
             if self.swap_dir is None:
                 raise ConfigError(

@@ -17,6 +17,13 @@ import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
+from tierswap.optim._formats import (
+    BLOCK_SIZE,
+    MIN_8BIT_NUMEL,
+    MomentFormat,
+    StatePrecision,
+    num_blocks,
+)
 from tierswap.optim._probe import StateShapes
 
 __all__ = [
@@ -25,6 +32,7 @@ __all__ = [
     "Slice",
     "Slot",
     "check_budget",
+    "chunk_target",
     "master_dtype",
     "plan_slices",
 ]
@@ -63,6 +71,12 @@ class Slot:
     optimizer class (``[4, 4]`` for AdamW's ``exp_avg`` and ``exp_avg_sq`` in fp32).
     ``whole_state`` is set for a parameter that must step whole (its optimizer's math spans the
     parameter, as Muon's and Adafactor's do): its state tensors' shapes and element sizes.
+
+    ``precision`` is the ``state_precision`` asked for: it applies to the per-element fp32
+    state of a parameter that slices may cut (:meth:`moment_format`); a parameter stepped
+    whole, or with state in another dtype, keeps its state as torch makes it. ``remainder``
+    is set for a bf16 parameter under ``master="remainder"``: its master is stored as the int16
+    remainder under :attr:`master_key` and the parameter itself under :attr:`param_key`.
     """
 
     index: int
@@ -73,6 +87,8 @@ class Slot:
     name: str | None = None  # the parameter's name, when the optimizer was given names
     key: str = ""  # the key segment of its arrays; "" means positional, ``p<index>``
     whole_state: StateShapes | None = None
+    precision: StatePrecision = "fp32"
+    remainder: bool = False
 
     @property
     def whole(self) -> bool:
@@ -91,7 +107,72 @@ class Slot:
 
     @property
     def master_key(self) -> str:
-        return f"{self.prefix}/master"
+        """The key of the master: the fp32 ``master``, or the int16 ``remainder``."""
+        return f"{self.prefix}/{'remainder' if self.remainder else 'master'}"
+
+    @property
+    def persists_param(self) -> bool:
+        """Whether the store keeps a copy of the parameter under :attr:`param_key` (written
+        when a commit is due): when it has no master, or a remainder joined to it."""
+        return not self.has_master or self.remainder
+
+    @property
+    def restore_key(self) -> str:
+        """The array a resume copies into the parameter."""
+        return self.param_key if self.persists_param else self.master_key
+
+    @property
+    def stored_precision(self) -> StatePrecision:
+        """The format of the slot's per-element state (fp32 where compact state does not
+        apply: a parameter stepped whole, state not in fp32, 8-bit under ``MIN_8BIT_NUMEL``)."""
+        numel = self.local.numel()
+        if self.whole or any(size != 4 for size in self.state_itemsizes):
+            return "fp32"
+        if master_dtype(self.param) != torch.float32:
+            return "fp32"
+        if self.precision == "8bit" and numel < MIN_8BIT_NUMEL:
+            return "fp32"
+        return self.precision
+
+    def moment_format(self, name: str) -> MomentFormat | None:
+        """How state ``name`` is stored: a compact format, or ``None`` (as torch makes it)."""
+        if self.stored_precision == "fp32":
+            return None
+        return MomentFormat.for_state(name, self.local.numel(), self.stored_precision)
+
+    def state_keys(self, name: str) -> list[str]:
+        """The keys of the arrays that store state ``name``."""
+        fmt = self.moment_format(name)
+        if fmt is None:
+            return [f"{self.prefix}/{name}"]
+        return [f"{self.prefix}/{a.name}" for a in fmt.arrays(name, self.local.numel())]
+
+    @property
+    def block(self) -> int:
+        """Elements a slice cut must be a multiple of (an 8-bit block, else 1)."""
+        return BLOCK_SIZE if self.stored_precision == "8bit" else 1
+
+    def state_buffers(self, numel: int) -> list[int]:
+        """Bytes of each buffer a segment of ``numel`` elements holds for its state: the
+        stored regions, and for compact state the fp32 scratch the step decodes into."""
+        precision = self.stored_precision
+        if precision == "fp32":
+            return [numel * size for size in self.state_itemsizes]
+        if precision == "bf16":
+            per_state = [2 * numel, 4 * numel]
+        else:
+            per_state = [numel, 4 * num_blocks(numel), 4 * numel]
+        return per_state * len(self.state_itemsizes)
+
+    def master_buffers(self, numel: int) -> list[int]:
+        """Bytes of each buffer a segment of ``numel`` elements holds for its master: the fp32
+        master and the gradient's cast; for a remainder, the remainder, the master joined into
+        fp32 scratch, the gradient's cast and the parameter :func:`split` writes."""
+        if not self.has_master:
+            return []
+        if self.remainder:
+            return [2 * numel, 4 * numel, 4 * numel, 2 * numel]
+        return [master_dtype(self.param).itemsize * numel] * 2
 
     @property
     def param_key(self) -> str:
@@ -107,9 +188,10 @@ class Slot:
 
     @property
     def master_bytes(self) -> int:
+        """Footprint of the stored master (fp32 master or remainder)."""
         if not self.has_master:
             return 0
-        return _footprint(self.local.numel() * master_dtype(self.param).itemsize)
+        return _footprint(self.master_buffers(self.local.numel())[0])
 
     @property
     def working_set(self) -> int:
@@ -118,14 +200,19 @@ class Slot:
 
     @property
     def bytes_per_element(self) -> int:
-        """Host bytes per element while stepping: state, and master plus fp32 gradient."""
-        master = 2 * master_dtype(self.param).itemsize if self.has_master else 0
-        return sum(self.state_itemsizes) + master
+        """Host bytes per element while stepping (rounded up): state (stored and decoded), and
+        master plus fp32 gradient."""
+        per_block = sum(self.state_buffers(BLOCK_SIZE)) + sum(self.master_buffers(BLOCK_SIZE))
+        return -(-per_block // BLOCK_SIZE)
 
     @property
     def min_itemsize(self) -> int:
         """Smallest element size among the slot's stored arrays (state, master, param)."""
-        return min((*self.state_itemsizes, master_dtype(self.param).itemsize))
+        state = {"fp32": self.state_itemsizes, "bf16": (2,), "8bit": (1,)}[self.stored_precision]
+        sizes = [*state, 2 if self.remainder else master_dtype(self.param).itemsize]
+        if self.persists_param:
+            sizes.append(self.param.dtype.itemsize)
+        return min(sizes)
 
 
 def _footprint(nbytes: int) -> int:
@@ -151,13 +238,10 @@ class Segment:
         numel = self.numel
         if numel == 0:  # e.g. an empty FSDP shard: stepped for its counters, no buffers
             return 0
+        master = sum(_footprint(n) for n in self.slot.master_buffers(numel))
         if self.slot.whole:
-            master = 2 * self.slot.master_bytes  # master, gradient cast
             return self.slot.state_bytes + master + _footprint(numel * 4) * WHOLE_TEMPORARIES
-        sizes = list(self.slot.state_itemsizes)
-        if self.slot.has_master:
-            sizes += [master_dtype(self.slot.param).itemsize] * 2  # master, gradient cast
-        return sum(_footprint(numel * size) for size in sizes)
+        return sum(_footprint(n) for n in self.slot.state_buffers(numel)) + master
 
 
 @dataclasses.dataclass
@@ -205,7 +289,8 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
                 current, room = [], target_bytes
             continue
         numel, per_element = slot.local.numel(), max(slot.bytes_per_element, 1)
-        unit = max(chunk_bytes // slot.min_itemsize, 1)
+        # whole chunks of every array, and whole 8-bit blocks (chunks hold whole blocks anyway)
+        unit = math.lcm(max(chunk_bytes // slot.min_itemsize, 1), slot.block)
         position = 0
         while position < numel or (numel == 0 and position == 0):
             rest = numel - position
@@ -228,6 +313,14 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
     if current:
         slices.append(Slice(len(slices), current))
     return slices
+
+
+def chunk_target(slots: Sequence[Slot], target_bytes: int) -> int:
+    """The slice size the chunk size is chosen for: ``target_bytes``, scaled down where an
+    array has elements under 4 bytes (8-bit codes, bf16 moments, remainders), so that a chunk
+    of those holds no more elements than an fp32 chunk would and slices stay as fine."""
+    smallest = min((min(slot.min_itemsize, 4) for slot in slots), default=4)
+    return target_bytes * smallest // 4
 
 
 def check_budget(slices: Sequence[Slice], budget: int, name: str) -> None:

@@ -8,6 +8,13 @@ cut parameter's optimizer is per element, and a parameter whose optimizer's math
 (Muon, Adafactor) is stepped whole, viewed in its own shape (both checked by
 :mod:`~tierswap.optim._probe`), so the result is bitwise the same. Everything the step needs
 comes in as arguments; nothing here reads the optimizer's members.
+
+Compact state (:mod:`~tierswap.optim._formats`): a state tensor stored in bf16 or 8 bits is
+read as its stored regions (codes and absmax for 8 bits: slices start and end at block
+boundaries), decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32
+and encoded back into the regions written. A master kept as a remainder is joined with the
+parameter into fp32 scratch, stepped, and split into the parameter (rounded half up) and the
+new remainder.
 """
 
 from __future__ import annotations
@@ -20,10 +27,19 @@ from typing import Any
 
 import torch
 
+from tierswap.optim._formats import MomentFormat, join, split
 from tierswap.optim._partition import Segment, Slice, Slot, local_tensor
 from tierswap.pipeline import Region
 
-__all__ = ["StepPlan", "clone_small", "flat", "slice_reads", "state_region", "step_slice"]
+__all__ = [
+    "StepPlan",
+    "clone_small",
+    "flat",
+    "slice_reads",
+    "state_region",
+    "state_regions",
+    "step_slice",
+]
 
 
 @dataclasses.dataclass
@@ -60,7 +76,8 @@ def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
-        reads += [state_region(seg, name) for name in state_names.get(slot.index, [])]
+        for name in state_names.get(slot.index, []):
+            reads += state_regions(seg, name)
         if slot.has_master:
             reads.append(_region(slot.master_key, seg))
     return tuple(reads)
@@ -127,6 +144,23 @@ def state_region(seg: Segment, name: str) -> Region:
     return _region(key, seg)
 
 
+def state_regions(seg: Segment, name: str) -> list[Region]:
+    """The stored regions of state ``name`` that ``seg`` steps, one per stored array: the
+    codes and absmax of 8-bit state (block-aligned), else :func:`state_region`."""
+    slot = seg.slot
+    fmt = slot.moment_format(name)
+    if fmt is None:
+        return [state_region(seg, name)]
+    ranges = fmt.array_ranges(seg.start, seg.stop, slot.local.numel())
+    return [
+        Region(key, lo, hi) for key, (lo, hi) in zip(slot.state_keys(name), ranges, strict=True)
+    ]
+
+
+def _stored_dtypes(slot: Slot, fmt: MomentFormat, name: str) -> list[torch.dtype]:
+    return [array.dtype for array in fmt.arrays(name, slot.local.numel())]
+
+
 def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """``tensor`` (flat) in the shape the optimizer sees: the parameter's or the state's own
     for a parameter stepped whole; flat for a cut one."""
@@ -146,7 +180,11 @@ def _target(
     assert whole_grad is not None  # plan.live holds only slots whose gradient is final
     grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
-        target = _shaped(slot, on_device.take(tensors[_region(slot.master_key, seg)]))
+        stored = on_device.take(tensors[_region(slot.master_key, seg)])
+        if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
+            param = flat(slot.param)[seg.start : seg.stop].to(stored.device)
+            stored = join(param, stored, torch.empty(seg.numel, device=stored.device))
+        target = _shaped(slot, stored)
         target.grad = grad.to(target.device, target.dtype)
     else:
         target = _shaped(slot, flat(slot.param)[seg.start : seg.stop])
@@ -162,7 +200,13 @@ def _state_of(
         return {}  # torch creates the state, as for a parameter it has never stepped
     state = clone_small(plan.small_before.get(slot.index, {}))
     for name in plan.state_names.get(slot.index, []):
-        state[name] = _shaped(slot, on_device.take(tensors[state_region(seg, name)]), name)
+        fmt = slot.moment_format(name)
+        if fmt is None:
+            state[name] = _shaped(slot, on_device.take(tensors[state_region(seg, name)]), name)
+            continue
+        stored = [on_device.take(tensors[region]) for region in state_regions(seg, name)]
+        scratch = torch.empty(seg.numel, dtype=torch.float32, device=on_device.device)
+        state[name] = fmt.decode(stored, scratch)
     return state
 
 
@@ -194,20 +238,91 @@ def _collect(
         if not (torch.is_tensor(value) and value.dim() > 0):
             small[name] = value
             continue
-        region = state_region(seg, name)
+        fmt = slot.moment_format(name)
         if name not in names:  # created by this first step
-            shape = value.shape if slot.whole else slot.local.shape
-            plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype)
+            _create(plan, slot, name, fmt, value)
             names.append(name)
-        writes[region] = on_device.give(value, tensors.get(region))
+        if fmt is None:
+            region = state_region(seg, name)
+            writes[region] = on_device.give(value, tensors.get(region))
+        else:
+            writes.update(_encoded(seg, name, fmt, value, tensors=tensors, on_device=on_device))
     plan.small_after[slot.index] = small
     target.grad = None
-    if slot.has_master:
+    if slot.remainder:
+        writes.update(_split_master(plan, seg, target, tensors, on_device))
+    elif slot.has_master:
         flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         region = _region(slot.master_key, seg)
         writes[region] = on_device.give(target, tensors[region])
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)
+    return writes
+
+
+def _create(
+    plan: StepPlan, slot: Slot, name: str, fmt: MomentFormat | None, value: torch.Tensor
+) -> None:
+    """Create the stored arrays of state ``name``, made by the first step."""
+    if fmt is None:
+        shape = value.shape if slot.whole else slot.local.shape
+        plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype)
+        return
+    for key, array in zip(slot.state_keys(name), fmt.arrays(name, slot.local.numel()), strict=True):
+        plan.create(key, (array.numel,), array.dtype)
+
+
+def _encoded(
+    seg: Segment,
+    name: str,
+    fmt: MomentFormat,
+    value: torch.Tensor,
+    *,
+    tensors: dict[Region, torch.Tensor],
+    on_device: _Device,
+) -> dict[Region, torch.Tensor]:
+    """The regions to write for state ``name`` (fp32 ``value``) encoded in ``fmt``: into the
+    host buffers read, or new ones (first step), through device buffers when it ran there."""
+    regions = state_regions(seg, name)
+    hosts = [tensors.get(region) for region in regions]
+    buffers = [
+        host
+        if host is not None and host.device == value.device
+        else torch.empty(region.numel, dtype=dtype, device=value.device)
+        for region, host, dtype in zip(
+            regions, hosts, _stored_dtypes(seg.slot, fmt, name), strict=True
+        )
+    ]
+    fmt.encode(value.reshape(-1), buffers)
+    return {
+        region: on_device.give(buffer, host)
+        for region, buffer, host in zip(regions, buffers, hosts, strict=True)
+    }
+
+
+def _split_master(
+    plan: StepPlan,
+    seg: Segment,
+    target: torch.Tensor,
+    tensors: dict[Region, torch.Tensor],
+    on_device: _Device,
+) -> dict[Region, torch.Tensor]:
+    """Split the stepped fp32 master ``target`` into the bf16 parameter (rounded half up)
+    and the remainder; the regions to write: the remainder, and the parameter when due."""
+    slot = seg.slot
+    region = _region(slot.master_key, seg)
+    host = tensors[region]
+    remainder = (
+        host if host.device == target.device else torch.empty_like(host, device=target.device)
+    )
+    param = flat(slot.param)[seg.start : seg.stop]
+    if param.device == target.device:
+        split(target.reshape(-1), param, remainder)
+    else:
+        param.copy_(split(target.reshape(-1), None, remainder)[0])
+    writes = {region: on_device.give(remainder, host)}
+    if plan.write_params:
+        writes[_region(slot.param_key, seg)] = param.detach()
     return writes
 
 

@@ -24,11 +24,49 @@ if TYPE_CHECKING:
 __all__ = [
     "SwappedState",
     "adopt_direct_state",
+    "base_arrays",
+    "check_format",
     "commit",
     "load_state_dict",
+    "master_of",
     "restore_commit",
     "state_dict",
 ]
+
+
+def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
+    """The arrays every slot has from the start (key, dtype; in the parameter's shape): its
+    master (fp32, or the int16 remainder) and its committed copy of the parameter."""
+    arrays = []
+    if slot.has_master:
+        arrays.append(
+            (slot.master_key, torch.int16 if slot.remainder else master_dtype(slot.param))
+        )
+    if slot.persists_param:
+        arrays.append((slot.param_key, slot.param.dtype))
+    return arrays
+
+
+def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
+    """The stored master (CPU) of a slot whose master is the parameter ``values``: its fp32
+    cast, or a remainder of zeros (``split(param.float())`` leaves nothing over)."""
+    if slot.remainder:
+        return torch.zeros(values.shape, dtype=torch.int16)
+    return values.detach().to("cpu", master_dtype(slot.param))
+
+
+def check_format(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
+    """Raise ``ConfigError`` when the commit's ``state_precision`` or ``master`` differ from
+    this optimizer's (folders from before compact state hold fp32)."""
+    config = optimizer._config
+    for setting, ours in (("state_precision", config.state_precision), ("master", config.master)):
+        theirs = meta.get(setting, "fp32")
+        if theirs != ours:
+            raise ConfigError(
+                f"swap_dir {str(optimizer._backend.path)!r} stores {setting}={theirs!r}, this "
+                f"optimizer has {setting}={ours!r}; resume with {setting}={theirs!r}, or start a "
+                "new swap_dir (load_state_dict converts a state dict to any format)"
+            )
 
 
 def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
@@ -63,7 +101,7 @@ def commit(optimizer: SwapOptimizer) -> int:
     adopt_direct_state(optimizer)
     optimizer._backend.pipeline.drain()
     written = optimizer._params_written
-    unwritten = [s for s in optimizer._slots if not s.has_master and s.index not in written]
+    unwritten = [s for s in optimizer._slots if s.persists_param and s.index not in written]
     optimizer.write_from_params(unwritten, masters=False)
     slots = optimizer._slots
     small = {  # keyed by each parameter's key prefix, so a resume can match by name
@@ -80,6 +118,8 @@ def commit(optimizer: SwapOptimizer) -> int:
         "names": [s.name for s in slots],
         "groups": [s.group for s in slots],  # a resume matches param groups by their members
         "chunk_bytes": optimizer._chunk_bytes,
+        "state_precision": optimizer._config.state_precision,
+        "master": optimizer._config.master,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
     }
@@ -129,6 +169,7 @@ def final_commit(optimizer: SwapOptimizer) -> None:
 def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
     """Load the last commit: params (from masters or copies), scalars, groups, step count."""
     backend = optimizer._backend
+    check_format(optimizer, meta)
     check_world(meta, backend.path)
     match_keys(optimizer._slots, meta, backend.path)
     small = backend.load_small()
@@ -153,8 +194,7 @@ def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
         for piece in optimizer._slices:  # a slice at a time: the transient stays one slice
             for seg in piece.segments:
                 slot = seg.slot
-                key = slot.master_key if slot.has_master else slot.param_key
-                values = backend.read_region(Region(key, seg.start, seg.stop))
+                values = backend.read_region(Region(slot.restore_key, seg.start, seg.stop))
                 flat(slot.param)[seg.start : seg.stop].copy_(values)
 
 
@@ -268,7 +308,7 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     for slot in optimizer._slots:
         state = _clone(optimizer._small.get(slot.index, {}))
         for name in optimizer._state_names[slot.index]:
-            state[name] = _like_param(backend.read(f"{slot.prefix}/{name}"), slot.param)
+            state[name] = _like_param(_read_state(backend, slot, name), slot.param)
         if state:
             optimizer.state[slot.param] = state
     try:
@@ -280,6 +320,35 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
             named = group["optimizer_class"]
             group["optimizer_class"] = f"{named.__module__}.{named.__qualname__}"
     return result
+
+
+def _read_state(backend: Any, slot: Slot, name: str) -> torch.Tensor:
+    """State ``name`` of ``slot`` as torch keeps it: compact state decoded to fp32."""
+    fmt = slot.moment_format(name)
+    if fmt is None:
+        value: torch.Tensor = backend.read(f"{slot.prefix}/{name}")
+        return value
+    stored = [backend.read(key).view(-1) for key in slot.state_keys(name)]
+    return fmt.decode(stored, torch.empty(slot.local.shape, dtype=torch.float32))
+
+
+def _stored_state(slot: Slot, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The arrays to store for state ``name`` of ``slot`` (keys to tensors): ``value`` as it
+    is, or encoded in the slot's compact format (from its fp32 values)."""
+    fmt = slot.moment_format(name)
+    if fmt is None:
+        return {f"{slot.prefix}/{name}": value}
+    flat_value = value.detach().to("cpu", torch.float32).reshape(-1)
+    numel = slot.local.numel()
+    if flat_value.numel() != numel:
+        raise ValueError(
+            f"state {name!r} of parameter {slot.name or slot.prefix!r} has {flat_value.numel()} "
+            f"elements, the parameter {numel}; load a state dict of the same model"
+        )
+    arrays = fmt.arrays(name, numel)
+    stored = [torch.empty(a.numel, dtype=a.dtype) for a in arrays]
+    fmt.encode(flat_value.contiguous(), stored)
+    return dict(zip(slot.state_keys(name), stored, strict=True))
 
 
 def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -377,17 +446,20 @@ def _replace_states(optimizer: SwapOptimizer, states: list[tuple[Slot, dict[str,
         names[slot.index], smalls[slot.index] = [], {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
-                tensors[f"{slot.prefix}/{name}"] = local_tensor(value)
+                tensors.update(_stored_state(slot, name, local_tensor(value)))
                 names[slot.index].append(name)
             else:
                 smalls[slot.index][name] = value
         if slot.has_master:  # on the host: all masters are held until the put ends
-            tensors[slot.master_key] = slot.local.detach().to("cpu", master_dtype(slot.param))
+            tensors[slot.master_key] = master_of(slot, slot.local)
+        if slot.remainder:  # the parameter the zero remainder belongs to
+            tensors[slot.param_key] = slot.local.detach().to("cpu")
     backend.put_many(tensors)
     for slot, _state in states:
         for name in optimizer._state_names.pop(slot.index, []):
             if name not in names[slot.index]:
-                backend.delete(f"{slot.prefix}/{name}")
+                for key in slot.state_keys(name):
+                    backend.delete(key)
         if names[slot.index]:
             optimizer._state_names[slot.index] = names[slot.index]
         optimizer._small[slot.index] = smalls[slot.index]

@@ -28,12 +28,14 @@ from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
+from tierswap.optim._formats import MasterFormat, StatePrecision
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import (
     Slice,
     Slot,
     check_budget,
+    chunk_target,
     local_tensor,
     master_dtype,
     plan_slices,
@@ -116,6 +118,18 @@ class SwapOptimizer(torch.optim.Optimizer):
     accumulation_steps:
         Backward passes per optimizer step (gradient accumulation), for ``overlap="backward"``:
         a parameter's gradient is final at every ``accumulation_steps``-th backward pass.
+    state_precision:
+        How the moments (per-element fp32 state: AdamW's ``exp_avg``, ``exp_avg_sq``, ...)
+        are stored, on disk and in every tier: ``"fp32"`` (default, exact), ``"bf16"`` or
+        ``"8bit"`` (block-wise, as bitsandbytes and torchao; tensors under 4096 elements stay
+        fp32). The step decodes a slice into fp32, runs torch's kernel, encodes back. Opt-in:
+        it changes results (``docs/optimizer.md``, "Compact state"). Parameters stepped whole
+        (Muon, Adafactor) keep fp32 state.
+    master:
+        ``"fp32"`` (default) stores an fp32 master of each bf16 parameter; ``"remainder"``
+        stores the parameter and a 16-bit remainder instead, which rebuild the fp32 master
+        exactly (the parameter is then rounded half up, not half to even). Other parameters
+        ignore it.
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -135,12 +149,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         overlap: str | None = None,
         accumulation_steps: int = 1,
         resume_from: str | os.PathLike[str] | None = None,
+        state_precision: StatePrecision = "fp32",
+        master: MasterFormat = "fp32",
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
             swap_dir=swap_dir, host_budget=host_budget, device_budget=device_budget,
             policy=policy, durable=durable, commit_every=commit_every, resume=resume,
             overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
+            state_precision=state_precision, master=master,
         )  # fmt: skip
         _check_class(optimizer_class)
         self._setup(optimizer_class(_own_defaults(params), **optimizer_kwargs), config)
@@ -258,7 +275,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._slots.append(
                 Slot(
                     len(self._slots), param, group_index, has_master, itemsizes, name, key,
-                    whole_state=whole,
+                    whole_state=whole, precision=self._config.state_precision,
+                    remainder=self._config.master == "remainder" and param.dtype == torch.bfloat16,
                 )
             )  # fmt: skip
         check_unique([slot.prefix for slot in self._slots])
@@ -285,7 +303,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         (``device_budget``), then in host memory (what the host budget has beyond the
         streaming part); the rest streams from disk (:func:`tierswap.engine.place`).
         """
-        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(MAX_SLICE_BYTES)
+        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(
+            chunk_target(self._slots, MAX_SLICE_BYTES)
+        )
         whole = plan_slices(self._slots[::-1], MAX_SLICE_BYTES, chunk)
         total = sum(piece.working_set for piece in whole)
         if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
@@ -297,7 +317,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         else:
             stream = max(self.host_budget // 10, min(self.host_budget, STREAM_FLOOR))
             target = min(max(stream // STREAM_SLICES, 1), MAX_SLICE_BYTES)
-            chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(target)
+            chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(
+                chunk_target(self._slots, target)
+            )
             self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
         if self.compute_device.type != "cpu":  # streamed slices step on the device
@@ -334,9 +356,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             _state_dict.restore_commit(self, meta)
             return
         for slot in self._slots:
-            key = slot.master_key if slot.has_master else slot.param_key
-            if key not in self._backend.known:
-                self._backend.create(key, tuple(slot.local.shape), master_dtype(slot.param))
+            for key, dtype in _state_dict.base_arrays(slot):
+                if key not in self._backend.known:
+                    self._backend.create(key, tuple(slot.local.shape), dtype)
         self.write_from_params(self._slots, masters=True)
 
     def write_from_params(self, slots: list[Slot], *, masters: bool) -> None:
@@ -351,9 +373,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if slot.index not in chosen:
                     continue
                 if slot.has_master and masters:
-                    master = values.to(master_dtype(slot.param))
-                    writes[Region(slot.master_key, seg.start, seg.stop)] = master.cpu()
-                elif not slot.has_master:
+                    master = _state_dict.master_of(slot, values)
+                    writes[Region(slot.master_key, seg.start, seg.stop)] = master
+                if slot.persists_param:
                     writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
             self._backend.put_regions(writes)
 

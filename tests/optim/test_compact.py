@@ -1,0 +1,393 @@
+"""Compact state (issue 17 parts 1-2): bf16 and 8-bit moments, bf16 master remainders.
+
+Each swapped run is compared bitwise with a reference loop: torch's optimizer on fp32 tensors in
+memory that, after every step, encodes and decodes its moments with :mod:`tierswap.optim.
+_formats` as the optimizer stores them, and keeps fp32 masters whose bf16 parameter is cast
+half up (``round_half_up_bf16``) under ``master="remainder"``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from tierswap.errors import ConfigError
+from tierswap.optim import SwapOptimizer
+from tierswap.optim._formats import MomentFormat, join, round_half_up_bf16
+from tierswap.optim._partition import Segment
+
+#: Inner optimizers and their keywords: moments of both signs, an amsgrad maximum, a momentum.
+CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+}
+#: Everything streams; the large weight spans several slices. One slice holds at least a chunk
+#: of every array: 16 KiB of 8-bit codes are 16384 elements, with a bf16 parameter's master
+#: remainder (and its scratch) 360 KiB.
+BUDGETS = {torch.float32: "256KiB", torch.bfloat16: "320KiB"}
+
+
+class Net(torch.nn.Module):
+    """A weight of 32768 elements (8-bit, cut by slices) beside small fp32-state ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(128, 256)  # weight 8-bit, bias (256) stays fp32
+        self.head = torch.nn.Linear(256, 8, bias=False)  # 2048 elements: fp32 under 8bit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.big(x)))
+
+
+class Wide(torch.nn.Module):
+    """Only large weights, so every moment is compact (the byte counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(128, 256, bias=False)
+        self.b = torch.nn.Linear(256, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
+
+
+def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad()
+    model(x).float().square().mean().backward()
+
+
+class Reference:
+    """torch's optimizer on fp32 tensors in memory, with the moments rounded through the
+    compact format after every step and masters cast to the bf16 parameters."""
+
+    def __init__(
+        self, model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
+    ) -> None:
+        optimizer_class, kwargs = CASES[name]
+        self.model, self.precision, self.master = model, precision, master
+        self.low = next(model.parameters()).dtype != torch.float32
+        params = list(model.parameters())
+        self.masters = [p.detach().float().clone() for p in params] if self.low else params
+        self.opt = optimizer_class(self.masters, **kwargs)
+
+    @torch.no_grad()
+    def round_moments(self) -> None:
+        for state in self.opt.state.values():
+            for name, value in state.items():
+                if not (torch.is_tensor(value) and value.dim() > 0):
+                    continue
+                fmt = MomentFormat.for_state(name, value.numel(), self.precision)  # type: ignore[arg-type]
+                stored = [
+                    torch.empty(a.numel, dtype=a.dtype) for a in fmt.arrays(name, value.numel())
+                ]
+                fmt.encode(value.reshape(-1), stored)
+                fmt.decode(stored, value.view(-1))
+
+    def step(self, x: torch.Tensor) -> None:
+        _backward(self.model, x)
+        if self.low:
+            for master, param in zip(self.masters, self.model.parameters(), strict=True):
+                master.grad = param.grad.float()
+        self.opt.step()
+        self.round_moments()
+        if self.low:
+            with torch.no_grad():
+                for master, param in zip(self.masters, self.model.parameters(), strict=True):
+                    if self.master == "remainder":
+                        param.copy_(round_half_up_bf16(master.contiguous()).view(param.shape))
+                    else:
+                        param.copy_(master)
+
+
+def _pair(dtype: torch.dtype, model_class: type[torch.nn.Module] = Net) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    plain = model_class().to(dtype)
+    return plain, copy.deepcopy(plain)
+
+
+def _swap(model: torch.nn.Module, name: str, **settings: Any) -> SwapOptimizer:
+    optimizer_class, kwargs = CASES[name]
+    settings.setdefault("host_budget", BUDGETS[next(model.parameters()).dtype])
+    return SwapOptimizer(model.parameters(), optimizer_class, **settings, **kwargs)
+
+
+def _swap_step(model: torch.nn.Module, swap: SwapOptimizer, x: torch.Tensor) -> None:
+    _backward(model, x)
+    swap.step()
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), f"{name} differs"
+
+
+def _assert_state_equal(reference: Reference, swap: SwapOptimizer) -> None:
+    saved = swap.state_dict()["state"]
+    for index, master in enumerate(reference.masters):
+        for key, value in reference.opt.state[master].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved[index][key])), (
+                index,
+                key,
+            )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_moments_equal_a_rounded_reference_bitwise(
+    name: str, precision: str, dtype: torch.dtype
+) -> None:
+    plain, swapped = _pair(dtype)
+    reference = Reference(plain, name, precision)
+    with _swap(swapped, name, state_precision=precision) as swap:
+        big = swapped.big.weight
+        cuts = [seg for s in swap.slices for seg in s.segments if seg.slot.param is big]
+        whole = Segment(cuts[0].slot, 0, big.numel())
+        assert len(cuts) > 1 or whole.working_set <= swap.host_budget
+        for x in _inputs(4, dtype):
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+            _assert_same(plain, swapped)
+        _assert_state_equal(reference, swap)
+
+
+def test_8bit_slices_cut_at_block_boundaries_and_store_codes_and_scales() -> None:
+    _, model = _pair(torch.float32)
+    with _swap(model, "adamw", state_precision="8bit") as swap:
+        _swap_step(model, swap, _inputs(1, torch.float32)[0])
+        for piece in swap.slices:
+            for seg in piece.segments:
+                if seg.slot.stored_precision == "8bit":
+                    assert seg.start % 256 == 0
+                    assert seg.stop % 256 == 0 or seg.stop == seg.slot.local.numel()
+        store = swap._backend.store
+        keys = set(store.keys())
+        assert {"p0/exp_avg.codes", "p0/exp_avg.absmax", "p0/exp_avg_sq.codes"} <= keys
+        assert store.info("p0/exp_avg.codes").dtype == torch.uint8
+        assert tuple(store.info("p0/exp_avg_sq.absmax").shape) == (32768 // 256,)
+        assert store.info("p1/exp_avg").dtype == torch.float32  # the bias: under 4096
+        assert store.info("p2/exp_avg").dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_remainder_masters_equal_fp32_masters_cast_half_up(precision: str) -> None:
+    plain, swapped = _pair(torch.bfloat16)
+    reference = Reference(plain, "adamw", precision, master="remainder")
+    with _swap(swapped, "adamw", state_precision=precision, master="remainder") as swap:
+        assert not any(k.endswith("/master") for k in swap._backend.store.keys())  # noqa: SIM118 (a list)
+        for x in _inputs(4, torch.bfloat16):
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+            _assert_same(plain, swapped)
+        swap._backend.pipeline.flush()
+        for slot, master in zip(swap._slots, reference.masters, strict=True):
+            remainder = swap._backend.read(slot.master_key).view(torch.int16)
+            rebuilt = join(slot.param.detach().reshape(-1), remainder.reshape(-1))
+            assert torch.equal(rebuilt, master.reshape(-1)), slot.prefix
+
+
+def test_master_remainder_is_ignored_for_fp32_parameters() -> None:
+    plain, swapped = _pair(torch.float32)
+    reference = Reference(plain, "adamw", "fp32")
+    with _swap(swapped, "adamw", master="remainder") as swap:
+        for x in _inputs(2, torch.float32):
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+        _assert_same(plain, swapped)
+        assert not any("remainder" in k for k in swap._backend.store.keys())  # noqa: SIM118 (a list)
+
+
+def _bytes_per_step(dtype: torch.dtype, tmp_path: Any, **settings: Any) -> tuple[float, float]:
+    """Bytes read and written per parameter in one step once the state exists, everything
+    streamed, no commit due (a due commit adds the committed copies of the parameters)."""
+    _, model = _pair(dtype, Wide)
+    numel = sum(p.numel() for p in model.parameters())
+    with _swap(model, "adamw", swap_dir=tmp_path / "s", commit_every=0, **settings) as swap:
+        assert not swap.placement, "a slice stayed resident"
+        xs = _inputs(3, dtype)
+        _swap_step(model, swap, xs[0])
+        swap._backend.pipeline.drain()
+        before = swap.tier_stats()["nvme"]
+        _swap_step(model, swap, xs[1])
+        swap._backend.pipeline.drain()
+        after = swap.tier_stats()["nvme"]
+    read = (after["bytes_read"] - before["bytes_read"]) / numel
+    written = (after["bytes_written"] - before["bytes_written"]) / numel
+    return read, written
+
+
+@pytest.mark.parametrize(
+    ("dtype", "settings", "expected"),
+    [
+        (torch.float32, {}, 8.0),
+        (torch.float32, {"state_precision": "bf16"}, 4.0),
+        (torch.float32, {"state_precision": "8bit"}, 2 * (1 + 4 / 256)),
+        (torch.bfloat16, {}, 12.0),
+        (torch.bfloat16, {"master": "remainder"}, 10.0),
+        (torch.bfloat16, {"master": "remainder", "state_precision": "bf16"}, 6.0),
+        (torch.bfloat16, {"master": "remainder", "state_precision": "8bit"}, 2 + 2 * (1 + 4 / 256)),
+    ],
+)
+def test_bytes_read_and_written_per_parameter_per_step(
+    dtype: torch.dtype, settings: dict[str, Any], expected: float, tmp_path: Any
+) -> None:
+    read, written = _bytes_per_step(dtype, tmp_path, **settings)
+    # 8-bit scales cover 64x more elements per chunk than codes: a slice's absmax region is
+    # part of a chunk, read whole (and rewritten whole); at most one chunk per array and slice
+    slack = 0.5 if settings.get("state_precision") == "8bit" else 0.0
+    assert expected <= read <= expected + slack, read
+    assert expected <= written <= expected + slack, written
+
+
+def test_resume_after_close_continues_bitwise(tmp_path: Any) -> None:
+    plain, swapped = _pair(torch.bfloat16)
+    reference = Reference(plain, "adamw", "8bit", master="remainder")
+    settings = {"state_precision": "8bit", "master": "remainder", "swap_dir": tmp_path / "s"}
+    xs = _inputs(5, torch.bfloat16)
+    with _swap(swapped, "adamw", **settings) as swap:
+        for x in xs[:3]:
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+    resumed_model = copy.deepcopy(plain)
+    with torch.no_grad():
+        for p in resumed_model.parameters():
+            p.zero_()  # the resume restores the parameters
+    with _swap(resumed_model, "adamw", resume=True, **settings) as swap:
+        assert swap.steps == 3
+        meta = swap._backend.committed_meta()
+        assert meta is not None
+        assert (meta["state_precision"], meta["master"]) == ("8bit", "remainder")
+        _assert_same(plain, resumed_model)
+        for x in xs[3:]:
+            reference.step(x)
+            _swap_step(resumed_model, swap, x)
+        _assert_same(plain, resumed_model)
+        _assert_state_equal(reference, swap)
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({"state_precision": "8bit"}, {"state_precision": "bf16"}),
+        ({}, {"state_precision": "8bit"}),
+        ({"master": "remainder"}, {}),
+    ],
+)
+def test_resume_with_another_format_is_refused_and_writes_nothing(
+    first: dict[str, Any], then: dict[str, Any], tmp_path: Any
+) -> None:
+    _, model = _pair(torch.bfloat16)
+    folder = tmp_path / "s"
+    with _swap(model, "adamw", swap_dir=folder, **first) as swap:
+        _swap_step(model, swap, _inputs(1, torch.bfloat16)[0])
+    files = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+    (setting,) = (then.keys() | first.keys()) - {k for k in first if first[k] == then.get(k)}
+    with pytest.raises(ConfigError, match=setting) as caught:
+        _swap(model, "adamw", swap_dir=folder, resume=True, **then)
+    theirs, ours = first.get(setting, "fp32"), then.get(setting, "fp32")
+    assert repr(theirs) in str(caught.value)
+    assert repr(ours) in str(caught.value)
+    after = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+    assert {p: t for p, t in after.items() if "lock" not in p.name} == {
+        p: t for p, t in files.items() if "lock" not in p.name
+    }
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_state_dict_round_trip_decodes_and_encodes(precision: str) -> None:
+    plain, swapped = _pair(torch.bfloat16)
+    reference = Reference(plain, "adamw", precision, master="remainder")
+    with _swap(swapped, "adamw", state_precision=precision, master="remainder") as swap:
+        for x in _inputs(2, torch.bfloat16):
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+        saved = swap.state_dict()
+        assert all(
+            v.dtype == torch.float32
+            for state in saved["state"].values()
+            for v in state.values()
+            if v.dim()
+        )
+        assert saved["state"][0]["exp_avg"].shape == swapped.big.weight.shape
+    # into a new optimizer: load_state_dict encodes the fp32 state once more (bf16 values are
+    # on its grid already; an 8-bit block whose largest magnitude is negative may requantise),
+    # and the master restarts from the parameter (remainder 0): so does the reference
+    other = copy.deepcopy(swapped)
+    with _swap(other, "adamw", state_precision=precision, master="remainder") as swap:
+        swap.load_state_dict(saved)
+        with torch.no_grad():
+            for index, master in enumerate(reference.masters):
+                for key, value in reference.opt.state[master].items():
+                    value.copy_(saved["state"][index][key])
+            reference.round_moments()
+            for master, param in zip(reference.masters, plain.parameters(), strict=True):
+                master.copy_(param)
+        _assert_state_equal(reference, swap)
+        if precision == "bf16":
+            again = swap.state_dict()["state"]
+            assert all(
+                torch.equal(v, again[i][k])
+                for i, st in saved["state"].items()
+                for k, v in st.items()
+            )
+        for x in _inputs(2, torch.bfloat16):
+            reference.step(x)
+            _swap_step(other, swap, x)
+        _assert_same(plain, other)
+        _assert_state_equal(reference, swap)
+
+
+def test_fp32_state_dict_loads_into_8bit_rounded_once() -> None:
+    plain, swapped = _pair(torch.float32)
+    fp32 = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x in _inputs(2, torch.float32):
+        _backward(plain, x)
+        fp32.step()
+    saved = fp32.state_dict()
+    with _swap(swapped, "adamw", state_precision="8bit") as swap:
+        swap.load_state_dict(saved)
+        loaded = swap.state_dict()["state"][0]["exp_avg"]
+    fmt = MomentFormat.for_state("exp_avg", loaded.numel(), "8bit")
+    stored = [torch.empty(a.numel, dtype=a.dtype) for a in fmt.arrays("exp_avg", loaded.numel())]
+    fmt.encode(saved["state"][0]["exp_avg"].reshape(-1).contiguous(), stored)
+    assert torch.equal(loaded.reshape(-1), fmt.decode(stored, torch.empty(loaded.numel())))
+
+
+def test_snapshot_keeps_the_format_and_resumes_from_it(tmp_path: Any) -> None:
+    plain, swapped = _pair(torch.bfloat16)
+    reference = Reference(plain, "adamw", "bf16", master="remainder")
+    settings = {"state_precision": "bf16", "master": "remainder"}
+    xs = _inputs(4, torch.bfloat16)
+    with _swap(swapped, "adamw", swap_dir=tmp_path / "run", **settings) as swap:
+        for x in xs[:2]:
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+        swap.snapshot(tmp_path / "snap")
+    resumed = copy.deepcopy(swapped)
+    with _swap(
+        resumed, "adamw", swap_dir=tmp_path / "run2", resume_from=tmp_path / "snap", **settings
+    ) as swap:
+        for x in xs[2:]:
+            reference.step(x)
+            _swap_step(resumed, swap, x)
+        _assert_same(plain, resumed)
+    with pytest.raises(ConfigError, match="state_precision"):
+        _swap(resumed, "adamw", swap_dir=tmp_path / "run3", resume_from=tmp_path / "snap")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("state_precision", "int4"), ("master", "fp16"), ("master", None)]
+)
+def test_unknown_formats_are_config_errors(setting: str, value: Any) -> None:
+    _, model = _pair(torch.float32)
+    with pytest.raises(ConfigError, match=setting):
+        _swap(model, "adamw", **{setting: value})
