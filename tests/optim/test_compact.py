@@ -391,3 +391,16 @@ def test_unknown_formats_are_config_errors(setting: str, value: Any) -> None:
     _, model = _pair(torch.float32)
     with pytest.raises(ConfigError, match=setting):
         _swap(model, "adamw", **{setting: value})
+
+
+def test_inspect_shows_the_formats(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierswap.cli import main
+
+    _, model = _pair(torch.bfloat16)
+    settings = {"state_precision": "8bit", "master": "remainder"}
+    with _swap(model, "adamw", swap_dir=tmp_path / "s", **settings) as swap:
+        _swap_step(model, swap, _inputs(1, torch.bfloat16)[0])
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    text = capsys.readouterr().out
+    assert "formats     state_precision=8bit, master=remainder" in text
+    assert "exp_avg.absmax exp_avg.codes" in text

@@ -91,6 +91,7 @@ def collect(folder: Path | Sequence[Path]) -> dict[str, Any]:
     described.update(
         step=meta.get("step", _optimizer(meta).get("steps")),
         writer=_writer(meta),
+        formats=_formats(meta),
         arrays=arrays,
         parameters=_parameters(arrays, _optimizer(meta)),
         nbytes=sum(a["nbytes"] for a in arrays),
@@ -119,6 +120,15 @@ def _writer(meta: dict[str, Any]) -> dict[str, Any] | None:
         "world_size": entry.get("world_size", 1),
         "named": any(entry.get("names") or []),
     }
+
+
+def _formats(meta: dict[str, Any]) -> dict[str, str] | None:
+    """How an optimizer's folder stores moments and masters (``state_precision``, ``master``;
+    folders written before compact state hold fp32)."""
+    entry = _optimizer(meta)
+    if not entry:
+        return None
+    return {k: str(entry.get(k, "fp32")) for k in ("state_precision", "master")}
 
 
 def _commit_time(meta: dict[str, Any], folder: Path) -> str:
@@ -193,6 +203,9 @@ def _summary(described: dict[str, Any]) -> Iterable[tuple[str, str]]:
                 f"{writer['rank']} of {writer['world_size']}; keys: {naming}"
             ),
         )
+    formats = described.get("formats")
+    if formats:
+        yield "formats", ", ".join(f"{k}={v}" for k, v in formats.items())
     shown = described["step"] is None or writer is not None  # the writer's line has the step
     step = "" if shown else f", step {described['step']}"
     yield "commit", f"generation {described['generation']}{step}, {described['committed']}"
