@@ -85,8 +85,8 @@ for _ in range(2):
     opt.step()
     opt.synchronize()
 host = opt.tier_stats()["host"]
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # over the steps
 opt.close()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({{"runtime": runtime, "peak": peak, "budget": budget, "host": host}}))
 """
 
@@ -104,4 +104,8 @@ def test_memory_stays_bounded_on_a_slow_disk(tmp_path) -> None:
     assert 0 < host["peak"] <= host["budget"] == figures["budget"]
     assert host["misses"] > 0  # the state streamed through the throttled disk
     params_and_grads = 2 * 12 * 2_000_000 * 4
-    assert figures["peak"] - figures["runtime"] <= 1.1 * (params_and_grads + figures["budget"])
+    above = figures["peak"] - figures["runtime"]
+    limit = 1.1 * (params_and_grads + figures["budget"])
+    assert above <= limit, (
+        f"peak RSS {above >> 20} MiB above the runtime, limit {limit / 2**20:.0f}"
+    )
