@@ -21,7 +21,7 @@ weights and the same batches:
 - ``bf16-sr`` (not run by default): bf16 moments with stochastic rounding.
 
 (b), (c) and (e) have the numerics the offloaded optimizer will have: after each torch AdamW
-step on fp32 state, the moments are encoded with ``tierswap.optim._formats`` and decoded back
+step on fp32 state, the moments are encoded with ``tierswap.optim.formats`` and decoded back
 before the next step (decode, torch's kernel in fp32, encode); in (e) the masters are
 overwritten with NaN between steps, so only parameter and remainder carry over. For (e) the
 script counts how often the half-up parameter differs from torch's cast of the same master (a
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 # The formats' own module: the bench replays their numerics on plain torch AdamW, step for step
 # against it, without a store (SwapOptimizer(state_precision=...) runs the same functions).
-from tierswap.optim import _formats as formats  # noqa: E402
+from tierswap.optim import formats  # noqa: E402
 
 LAST = 20  # the final loss is the mean of this many last steps
 MOMENTS = ("exp_avg", "exp_avg_sq")

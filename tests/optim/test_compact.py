@@ -2,7 +2,7 @@
 
 Each swapped run is compared bitwise with a reference loop: torch's optimizer on fp32 tensors in
 memory that, after every step, encodes and decodes its moments with :mod:`tierswap.optim.
-_formats` as the optimizer stores them, and keeps fp32 masters whose bf16 parameter is cast
+formats` as the optimizer stores them, and keeps fp32 masters whose bf16 parameter is cast
 half up (``round_half_up_bf16``) under ``master="remainder"``.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
-from tierswap.optim._formats import MomentFormat, join, round_half_up_bf16
 from tierswap.optim._partition import Segment
+from tierswap.optim.formats import MomentFormat, join, round_half_up_bf16
 
 #: Inner optimizers and their keywords: moments of both signs, an amsgrad maximum, a momentum.
 CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {

@@ -1,4 +1,4 @@
-"""Compact state (tierswap.optim._formats): bf16 and 8-bit moments, exact master remainders."""
+"""Compact state (tierswap.optim.formats): bf16 and 8-bit moments, exact master remainders."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tierswap.errors import ConfigError, InvalidTensorError
-from tierswap.optim._formats import (
+from tierswap.optim.formats import (
     BLOCK_SIZE,
     MIN_8BIT_NUMEL,
     MomentFormat,

@@ -10,7 +10,7 @@ from typing import Any
 from tierswap.config import Size, parse_size
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import ConfigError
-from tierswap.optim._formats import MasterFormat, StatePrecision, check_master, check_precision
+from tierswap.optim.formats import MasterFormat, StatePrecision, check_master, check_precision
 
 __all__ = ["SwapConfig"]
 
@@ -27,7 +27,7 @@ class SwapConfig:
     ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
     ``device_budget=0`` turns the device tier off. ``commit_every=0`` commits only on
     ``commit()`` and at ``close()``. ``state_precision`` and ``master`` choose the compact
-    formats of :mod:`tierswap.optim._formats` (``"fp32"``: exact, the default).
+    formats of :mod:`tierswap.optim.formats` (``"fp32"``: exact, the default).
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None

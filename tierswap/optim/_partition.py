@@ -17,14 +17,14 @@ import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
-from tierswap.optim._formats import (
+from tierswap.optim._probe import StateShapes
+from tierswap.optim.formats import (
     BLOCK_SIZE,
     MIN_8BIT_NUMEL,
     MomentFormat,
     StatePrecision,
     num_blocks,
 )
-from tierswap.optim._probe import StateShapes
 
 __all__ = [
     "WHOLE_TEMPORARIES",

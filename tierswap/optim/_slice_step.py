@@ -9,7 +9,7 @@ cut parameter's optimizer is per element, and a parameter whose optimizer's math
 :mod:`~tierswap.optim._probe`), so the result is bitwise the same. Everything the step needs
 comes in as arguments; nothing here reads the optimizer's members.
 
-Compact state (:mod:`~tierswap.optim._formats`): a state tensor stored in bf16 or 8 bits is
+Compact state (:mod:`~tierswap.optim.formats`): a state tensor stored in bf16 or 8 bits is
 read as its stored regions (codes and absmax for 8 bits: slices start and end at block
 boundaries), decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32
 and encoded back into the regions written. A master kept as a remainder is joined with the
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from tierswap.optim._formats import MomentFormat, join, split
 from tierswap.optim._partition import Segment, Slice, Slot, local_tensor
+from tierswap.optim.formats import MomentFormat, join, split
 from tierswap.pipeline import Region
 
 __all__ = [

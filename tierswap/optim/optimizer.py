@@ -28,7 +28,6 @@ from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
-from tierswap.optim._formats import MasterFormat, StatePrecision
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import (
@@ -48,6 +47,7 @@ from tierswap.optim._probe import (
 )
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
+from tierswap.optim.formats import MasterFormat, StatePrecision
 from tierswap.pipeline import Job, Region
 from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName

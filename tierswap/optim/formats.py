@@ -1,6 +1,8 @@
 """Compact optimizer state: bf16 and block-wise 8-bit moments, exact bf16 master remainders.
 
-The numerics of ``state_precision`` and ``master="remainder"``, on flat tensors; the optimizer's
+A public module: benches and users may run these numerics on their own tensors (e.g. to see
+what a format does to their moments). The numerics of ``state_precision`` and
+``master="remainder"``, on flat tensors; the optimizer's
 slice step decodes a slice's stored arrays into fp32, runs torch's kernel on them and encodes the
 result back. Every function writes into arrays the caller passes (``out=``) when given
 (returning them as flat views; new 1-D tensors otherwise) and works through them in pieces of
