@@ -71,6 +71,9 @@ MODES: dict[str, dict[str, Any]] = {
     "nocommit-backward": {"commit_every": 0, "overlap": "backward"},
     "forward": {"overlap": "forward"},
     "forward-commit10": {"overlap": "forward", "commit_every": 10},
+    "bf16": {"state_precision": "bf16"},
+    "8bit": {"state_precision": "8bit"},
+    "forward-8bit": {"overlap": "forward", "state_precision": "8bit"},
 }
 #: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
 DEEPSPEED: dict[str, dict[str, Any]] = {

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--model", choices=["mlp"], default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
     p.add_argument("--png", type=Path, default=None)
