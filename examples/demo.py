@@ -125,8 +125,9 @@ def _print_stats(stats: dict, state_bytes: int, budget: int, opt_seconds: float)
     print(f"\nAdam state {format_size(state_bytes)}, host budget {format_size(budget)}")
     for tier in ("device", "host"):
         tier_stats = stats.get(tier, {})
-        if tier_stats:
-            shown = {k: v for k, v in tier_stats.items() if k in ("hits", "misses", "used")}
+        if tier_stats.get("budget"):  # a tier with no budget holds nothing: not shown
+            keys = ("hits", "misses", "used", "peak", "budget")
+            shown = {k: v for k, v in tier_stats.items() if k in keys}
             print(f"  {tier:<6} {shown}")
     nvme = stats.get("nvme", {})
     print(
