@@ -261,7 +261,8 @@ class Pipeline:
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._device.type == "cpu":
             return tensor
-        return tensor.to(self._device, non_blocking=True)
+        # Blocking: the host buffer goes back to the pool right after, for the next read.
+        return tensor.to(self._device)
 
     def _written(self, job: Job, tensors: dict[Region, torch.Tensor], done: Future[Any]) -> None:
         error = done.exception()
