@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierswap.config import ALIGN, format_size, round_up
 from tierswap.errors import ConfigError
-from tierswap.optim._probe import StateShapes
 from tierswap.optim.formats import (
     BLOCK_SIZE,
     MIN_8BIT_NUMEL,
@@ -25,6 +25,9 @@ from tierswap.optim.formats import (
     StatePrecision,
     num_blocks,
 )
+
+if TYPE_CHECKING:
+    from tierswap.optim._probe import StateShapes
 
 __all__ = [
     "WHOLE_TEMPORARIES",

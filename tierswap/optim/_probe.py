@@ -13,26 +13,34 @@ Two questions decide how a parameter may be streamed:
 
 The probes also size the state: per-element state for sliced parameters
 (:func:`probe_state_itemsizes`), and the state's shapes for whole ones
-(:func:`probe_whole_state`), so budgets are checked before anything is written.
+(:func:`probe_whole_state`), so budgets are checked before anything is written. The
+optimizer's construction calls them per param group through :func:`check_class`,
+:func:`own_defaults` (a group that names its own ``optimizer_class``), :func:`probe_group` and
+:func:`whole_state`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from tierswap.errors import ConfigError
+from tierswap.optim._partition import local_tensor, master_dtype
 
 __all__ = [
     "StateShapes",
+    "check_class",
     "check_elementwise",
     "check_per_parameter",
     "may_slice",
+    "own_defaults",
+    "probe_group",
     "probe_state_itemsizes",
     "probe_whole_state",
+    "whole_state",
 ]
 
 #: State tensors of a whole parameter: name -> (shape, element size).
@@ -225,3 +233,73 @@ def _make(
     base class's ``(params, defaults)`` signature does not say."""
     factory: Callable[..., torch.optim.Optimizer] = optimizer_class
     return factory(groups)
+
+
+def check_class(optimizer_class: Any) -> None:
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise ConfigError(
+            f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass; "
+            "pass e.g. torch.optim.AdamW"
+        )
+    if issubclass(optimizer_class, (torch.optim.LBFGS, torch.optim.SparseAdam)):
+        raise ConfigError(
+            f"optimizer_class={optimizer_class.__name__} mixes parameters in one step or needs "
+            "sparse gradients; tierswap swaps optimizers with per-parameter state (AdamW, SGD, ...)"
+        )
+
+
+def own_defaults(params: Iterable[Any]) -> list[Any]:
+    """``params`` with each param group that names its ``optimizer_class`` completed by that
+    class's own defaults (Muon's ``lr``, ``momentum``, ...), before the main class fills in what
+    is still missing: a group takes its hyper-parameters from itself, then from its class."""
+    items = list(params)
+    for position, item in enumerate(items):
+        if isinstance(item, dict) and "optimizer_class" in item:
+            group_class = item["optimizer_class"]
+            check_class(group_class)
+            own = {k: v for k, v in item.items() if k != "optimizer_class"}
+            filled = group_class([own]).param_groups[0]
+            items[position] = {**filled, "optimizer_class": group_class}
+    return items
+
+
+def probe_group(
+    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
+) -> tuple[bool, tuple[int, ...]]:
+    """Whether slices may cut this group's ``dtype`` parameters, and their per-element state's
+    element sizes (none for parameters stepped whole: :func:`whole_state` sizes those)."""
+    if not may_slice(optimizer_class, group, dtype):
+        return False, ()
+    try:
+        return True, probe_state_itemsizes(optimizer_class, group, dtype)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot size the state of {optimizer_class.__name__} for {dtype} parameters: {exc}"
+        ) from exc
+
+
+def whole_state(
+    optimizer_class: type[torch.optim.Optimizer],
+    group: dict[str, Any],
+    param: torch.Tensor,
+    name: str | None,
+) -> StateShapes:
+    """The state of ``param``, which ``optimizer_class`` steps whole (Muon, Adafactor)."""
+    label = name or f"of shape {tuple(param.shape)}"
+    if local_tensor(param) is not param:
+        raise ConfigError(
+            f"parameter {label} is a sharded DTensor, but {optimizer_class.__name__} steps each "
+            "parameter whole (its math spans the matrix) and a rank holds only its shard; use "
+            "it with DDP / ZeroRedundancyOptimizer (whole parameters per rank), or give sharded "
+            "parameters a per-element optimizer such as AdamW"
+        )
+    try:
+        return probe_whole_state(optimizer_class, group, master_dtype(param), tuple(param.shape))
+    except ConfigError:
+        raise
+    except Exception as exc:  # e.g. Muon given a 1-D parameter
+        raise ConfigError(
+            f"{optimizer_class.__name__} cannot step parameter {label}: {exc}"
+        ) from exc

@@ -39,12 +39,7 @@ from tierswap.optim._partition import (
     master_dtype,
     plan_slices,
 )
-from tierswap.optim._probe import (
-    StateShapes,
-    may_slice,
-    probe_state_itemsizes,
-    probe_whole_state,
-)
+from tierswap.optim._probe import check_class, own_defaults, probe_group, whole_state
 from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.optim.formats import MasterFormat, StatePrecision
@@ -159,8 +154,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
             state_precision=state_precision, master=master,
         )  # fmt: skip
-        _check_class(optimizer_class)
-        self._setup(optimizer_class(_own_defaults(params), **optimizer_kwargs), config)
+        check_class(optimizer_class)
+        self._setup(optimizer_class(own_defaults(params), **optimizer_kwargs), config)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
@@ -178,7 +173,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"offload() needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        _check_class(type(optimizer))
+        check_class(type(optimizer))
         config = SwapConfig.from_keywords(**swap_kwargs)
         swap = cls.__new__(cls)  # the alternate constructor: the inner optimizer exists
         swap._setup(optimizer, config)
@@ -255,21 +250,21 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _add_slots(self, group: dict[str, Any]) -> None:
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         optimizer_class = group.get("optimizer_class", type(self._inner))
-        _check_class(optimizer_class)
+        check_class(optimizer_class)
         self._inners.append(self._inner_of(optimizer_class))
         probes: dict[torch.dtype, tuple[bool, tuple[int, ...]]] = {}
         names = group.get("param_names") or [None] * len(group["params"])
         for param, name in zip(group["params"], names, strict=True):
             dtype = master_dtype(param)
             if dtype not in probes:
-                probes[dtype] = _probe(optimizer_class, group, dtype)
+                probes[dtype] = probe_group(optimizer_class, group, dtype)
             if not local_tensor(param).is_contiguous():
                 raise ConfigError(
                     f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
                     "steps flat slices of parameters: call .contiguous() on it before training"
                 )
             cut, itemsizes = probes[dtype]
-            whole = None if cut else _whole_state(optimizer_class, group, param, name)
+            whole = None if cut else whole_state(optimizer_class, group, param, name)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             key = key_prefix(name) if name is not None else ""
             self._slots.append(
@@ -713,76 +708,6 @@ def _chunk_for(target: int) -> int:
     while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
         chunk *= 2
     return chunk
-
-
-def _check_class(optimizer_class: Any) -> None:
-    if not (
-        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
-    ):
-        raise ConfigError(
-            f"optimizer_class={optimizer_class!r} is not a torch.optim.Optimizer subclass; "
-            "pass e.g. torch.optim.AdamW"
-        )
-    if issubclass(optimizer_class, (torch.optim.LBFGS, torch.optim.SparseAdam)):
-        raise ConfigError(
-            f"optimizer_class={optimizer_class.__name__} mixes parameters in one step or needs "
-            "sparse gradients; tierswap swaps optimizers with per-parameter state (AdamW, SGD, ...)"
-        )
-
-
-def _own_defaults(params: Iterable[Any]) -> list[Any]:
-    """``params`` with each param group that names its ``optimizer_class`` completed by that
-    class's own defaults (Muon's ``lr``, ``momentum``, ...), before the main class fills in what
-    is still missing: a group takes its hyper-parameters from itself, then from its class."""
-    items = list(params)
-    for position, item in enumerate(items):
-        if isinstance(item, dict) and "optimizer_class" in item:
-            group_class = item["optimizer_class"]
-            _check_class(group_class)
-            own = {k: v for k, v in item.items() if k != "optimizer_class"}
-            filled = group_class([own]).param_groups[0]
-            items[position] = {**filled, "optimizer_class": group_class}
-    return items
-
-
-def _probe(
-    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> tuple[bool, tuple[int, ...]]:
-    """Whether slices may cut this group's ``dtype`` parameters, and their per-element state's
-    element sizes (none for parameters stepped whole: :func:`_whole_state` sizes those)."""
-    if not may_slice(optimizer_class, group, dtype):
-        return False, ()
-    try:
-        return True, probe_state_itemsizes(optimizer_class, group, dtype)
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot size the state of {optimizer_class.__name__} for {dtype} parameters: {exc}"
-        ) from exc
-
-
-def _whole_state(
-    optimizer_class: type[torch.optim.Optimizer],
-    group: dict[str, Any],
-    param: torch.Tensor,
-    name: str | None,
-) -> StateShapes:
-    """The state of ``param``, which ``optimizer_class`` steps whole (Muon, Adafactor)."""
-    label = name or f"of shape {tuple(param.shape)}"
-    if local_tensor(param) is not param:
-        raise ConfigError(
-            f"parameter {label} is a sharded DTensor, but {optimizer_class.__name__} steps each "
-            "parameter whole (its math spans the matrix) and a rank holds only its shard; use "
-            "it with DDP / ZeroRedundancyOptimizer (whole parameters per rank), or give sharded "
-            "parameters a per-element optimizer such as AdamW"
-        )
-    try:
-        return probe_whole_state(optimizer_class, group, master_dtype(param), tuple(param.shape))
-    except ConfigError:
-        raise
-    except Exception as exc:  # e.g. Muon given a 1-D parameter
-        raise ConfigError(
-            f"{optimizer_class.__name__} cannot step parameter {label}: {exc}"
-        ) from exc
 
 
 def _compute_device(tier: str) -> torch.device:
