@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
+from tests.engine.policies import KeepEven, number
 from tierswap.engine import LookaheadPolicy, LRUPolicy, kept, place, simulate
 
 KEYS = [f"s{i}" for i in range(12)]
@@ -26,27 +25,10 @@ def test_everything_fits() -> None:
     assert kept(LRUPolicy(), KEYS, SIZES, 1200) == KEYS
 
 
-class EvenOnly:
-    """A custom policy: evicts odd keys first, never an even one if it can help it."""
-
-    def access(self, key: str) -> None: ...
-
-    def admit(self, key: str) -> None: ...
-
-    def forget(self, key: str) -> None: ...
-
-    def upcoming(self) -> list[str]:
-        return []
-
-    def victim(self, candidates: Collection[str], incoming: str | None) -> str | None:
-        odd = [k for k in candidates if int(k[1:]) % 2]
-        return odd[0] if odd else min(candidates)
-
-
 def test_a_custom_policy_is_honoured() -> None:
-    held = kept(EvenOnly(), KEYS, SIZES, 600)
+    held = kept(KeepEven(), KEYS, SIZES, 600)
     assert held
-    assert all(int(k[1:]) % 2 == 0 for k in held)
+    assert all(number(k) % 2 == 0 for k in held)
 
 
 def test_device_tier_first_then_host() -> None:

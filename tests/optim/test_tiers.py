@@ -4,11 +4,10 @@ tier holds and serves."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import pytest
 import torch
 
+from tests.engine.policies import KeepEven
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.engine import LRUPolicy
 from tierswap.optim import SwapOptimizer, optimizer
@@ -31,23 +30,6 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
-
-
-class KeepEven:
-    """A custom policy: evicts odd-numbered slices first."""
-
-    def access(self, key: str) -> None: ...
-
-    def admit(self, key: str) -> None: ...
-
-    def forget(self, key: str) -> None: ...
-
-    def upcoming(self) -> list[str]:
-        return []
-
-    def victim(self, candidates: Collection[str], incoming: str | None) -> str | None:
-        odd = sorted(k for k in candidates if int(k) % 2)
-        return odd[0] if odd else max(candidates, key=int)
 
 
 STATE = LAYERS * (64 * 64 + 64) * 8  # AdamW's two fp32 moments
