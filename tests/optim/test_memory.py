@@ -11,14 +11,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CHILD = """
-import json, os, resource, sys, torch
+#: The start of every child: imports and the resident-set reading (format with ``root``).
+PREAMBLE = """
+import json, os, resource, sys, threading, time, torch
 sys.path.insert(0, {root!r})
 import tierswap as ts
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-warm = torch.nn.Parameter(torch.zeros(8))
+"""
+
+CHILD = (
+    PREAMBLE
+    + """warm = torch.nn.Parameter(torch.zeros(8))
 warm.grad = torch.zeros(8)
 torch.optim.AdamW([warm]).step()  # torch loads its optimizer machinery (~80 MB) on first use
 runtime = rss()
@@ -32,6 +37,7 @@ with ts.SwapOptimizer(params, swap_dir={swap!r}, host_budget=budget, durable=Fal
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({{"runtime": runtime, "peak": peak, "budget": budget}}))
 """
+)
 
 
 @pytest.mark.slow
@@ -48,14 +54,9 @@ def test_peak_rss_is_params_grads_budget_and_small_overhead(tmp_path) -> None:
     assert figures["peak"] - figures["runtime"] <= limit
 
 
-SLOW_DISK_CHILD = """
-import json, os, resource, sys, threading, time, torch
-sys.path.insert(0, {root!r})
-import tierswap as ts
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-warm = torch.nn.Parameter(torch.zeros(8))
+SLOW_DISK_CHILD = (
+    PREAMBLE
+    + """warm = torch.nn.Parameter(torch.zeros(8))
 warm.grad = torch.zeros(8)
 torch.optim.AdamW([warm], fused=True).step()
 runtime = rss()
@@ -89,6 +90,7 @@ peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # over the ste
 opt.close()
 print(json.dumps({{"runtime": runtime, "peak": peak, "budget": budget, "host": host}}))
 """
+)
 
 
 def _slow_disk_run(tmp_path) -> dict:
