@@ -68,16 +68,21 @@ def _reference_step(master_model, model, ref, sched, *, step: int, dtype: torch.
             param.copy_(master)
 
 
+def _streaming(model, optimizer_class, hyper, tmp_path) -> SwapOptimizer:
+    """A SwapOptimizer of twice the smallest host budget: several whole-matrix slices stream."""
+    budget = min_host_budget(model.named_parameters(), optimizer_class, **hyper) * 2
+    return SwapOptimizer(
+        model.named_parameters(), optimizer_class, swap_dir=tmp_path / "run",
+        host_budget=budget, **hyper,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_matrix_optimizers_stream_whole_matrices_bitwise(case, tmp_path) -> None:
     optimizer_class, hyper, bias = CASES[case]
     ref_model, model = _models(torch.float32, bias)
     ref = optimizer_class(ref_model.named_parameters(), **hyper)
-    budget = min_host_budget(model.named_parameters(), optimizer_class, **hyper) * 2
-    opt = SwapOptimizer(
-        model.named_parameters(), optimizer_class, swap_dir=tmp_path / "run",
-        host_budget=budget, **hyper,
-    )  # fmt: skip
+    opt = _streaming(model, optimizer_class, hyper, tmp_path)
     with opt:
         assert len(opt.slices) >= 3  # several slices' worth of budget
         for piece in opt.slices:  # whole parameters only
@@ -101,11 +106,7 @@ def test_bf16_matrices_step_their_fp32_masters_whole(case, tmp_path) -> None:
     master_model = copy.deepcopy(model).float()  # the masters start from the bf16 weights
     swap_model = copy.deepcopy(model)
     ref = optimizer_class(master_model.named_parameters(), **hyper)
-    budget = min_host_budget(swap_model.named_parameters(), optimizer_class, **hyper) * 2
-    opt = SwapOptimizer(
-        swap_model.named_parameters(), optimizer_class, swap_dir=tmp_path / "run",
-        host_budget=budget, **hyper,
-    )  # fmt: skip
+    opt = _streaming(swap_model, optimizer_class, hyper, tmp_path)
     with opt:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref, opt)]
         for step in range(4):
