@@ -417,7 +417,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._schedule_step()
             return loss
         due = self._commit_due()
-        live = {s.index for s in self._slots if s.param.grad is not None}
+        live = self._live_slots()
         pieces = [
             piece
             for piece in self._slices
@@ -433,21 +433,29 @@ class SwapOptimizer(torch.optim.Optimizer):
             plan, self._plan_of_step = self._plan_of_step, None
             self._stepped.clear()
             self._final.clear()
+        self._steps += 1
+        self._end_step(plan, due)
+        return loss
+
+    def _live_slots(self) -> set[int]:
+        """The slots this step updates: those whose parameter has a gradient."""
+        return {s.index for s in self._slots if s.param.grad is not None}
+
+    def _end_step(self, plan: StepPlan | None, due: bool) -> None:
+        """After a step's slices: keep their scalar state, note which params they wrote, and
+        commit when due (``step()``, or the worker of ``overlap="forward"``)."""
         if plan is not None:
-            for index, small in plan.small_after.items():  # only now: hooks share small_before
-                self._small[index] = small
+            self._small.update(plan.small_after)  # only now: hooks share small_before
         # Stepped params without a master were written with their slices when a commit is due.
         self._params_written = plan.live if plan is not None and plan.write_params else set()
-        self._steps += 1
         if due:
-            self.commit()
-        return loss
+            _state_dict.commit(self)
 
     def _schedule_step(self) -> None:
         """``overlap="forward"``: freeze what the step needs now (gradients, hyper-parameters),
         then step the slices on the worker, in forward order, and commit there when due."""
         due = self._commit_due()
-        live = {s.index for s in self._slots if s.param.grad is not None}
+        live = self._live_slots()
         pieces = [p for p in self._slices[::-1] if any(s.index in live for s in p.slots)]
         plan = self._new_plan()
         plan.live |= live
@@ -460,18 +468,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._steps += 1
 
         def run() -> None:
-            jobs = [self._job(piece) for piece in pieces]
             try:
-                self._backend.pipeline.run(jobs, lambda job, t: self._work(plan, job, t))
-            except BaseException:
-                self._step_failed = True
-                raise
+                self._run_slices(plan, pieces)
             finally:
                 self._backend.pipeline.release()
-            self._small.update(plan.small_after)
-            self._params_written = plan.live if plan.write_params else set()
-            if due:
-                _state_dict.commit(self)
+            self._end_step(plan, due)
 
         self._deferred.start(counts, run)
 
@@ -519,13 +520,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         if plan is None:
             plan = self._plan_of_step = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
+        self._run_slices(plan, pieces)
+        self._stepped.update(piece.index for piece in pieces)
+
+    def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
+        """Stream ``pieces`` through the pipeline, each stepped by :meth:`_work` with ``plan``."""
         jobs = [self._job(piece) for piece in pieces]
         try:
             self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
         except BaseException:
             self._step_failed = True  # some slices may have stepped: close() must not commit
             raise
-        self._stepped.update(piece.index for piece in pieces)
 
     def _new_plan(self) -> StepPlan:
         """The arguments every slice's work gets during one step (kept for the whole step, so
