@@ -52,6 +52,7 @@ def kept(
     if callable(set_schedule) and getattr(policy, "schedule", None) is None:
         set_schedule(list(schedule))  # a lookahead policy need not learn what is known
     held: dict[str, int] = {}
+    used = 0  # sum(held.values()), kept as items come and go
     hits: list[str] = []
     for cycle in range(2):
         for key in schedule:
@@ -62,11 +63,12 @@ def kept(
                 continue
             if sizes[key] > capacity:
                 continue  # never fits: streamed at every use
-            while sum(held.values()) + sizes[key] > capacity:
+            while used + sizes[key] > capacity:
                 victim = policy.victim(list(held), None)
                 if victim is None or victim not in held:
                     break
-                del held[victim]
-            if sum(held.values()) + sizes[key] <= capacity:
+                used -= held.pop(victim)
+            if used + sizes[key] <= capacity:
                 held[key] = sizes[key]
+                used += sizes[key]
     return hits
