@@ -16,9 +16,9 @@ def no_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     gather = _state_dict.state_dict
 
-    def never_after_a_step(optimizer):  # type: ignore[no-untyped-def]
+    def never_after_a_step(optimizer, *args):  # type: ignore[no-untyped-def]
         if optimizer.steps:
             raise AssertionError("a checkpoint gathered the optimizer state into RAM")
-        return gather(optimizer)
+        return gather(optimizer, *args)
 
     monkeypatch.setattr(_state_dict, "state_dict", never_after_a_step)

@@ -19,7 +19,7 @@ from tierswap.integrations.hf import (
     find_swap_optimizer,
     flatten_stats,
 )
-from tierswap.optim import SwapOptimizer, _snapshot
+from tierswap.optim import SwapOptimizer
 
 TINY = {"layers": 2, "dim": 64, "vocab": 512, "seq": 32}
 
@@ -105,9 +105,9 @@ def test_checkpoints_hold_snapshots_and_resume_bit_exact(
         assert torch.equal(a, b)
     # resume from the older retained checkpoint, into a fresh swap folder and the same output
     loaded = []
-    load_snapshot = _snapshot.load_snapshot
+    load_snapshot = SwapOptimizer.load_snapshot
     monkeypatch.setattr(
-        _snapshot, "load_snapshot", lambda o, p: (loaded.append(o.steps), load_snapshot(o, p))
+        SwapOptimizer, "load_snapshot", lambda o, p: (loaded.append(o.steps), load_snapshot(o, p))
     )
     resumed, resumed_model = example.train(
         tmp_path / "swap2", output_dir=tmp_path / "out", save_total_limit=2,

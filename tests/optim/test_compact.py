@@ -189,7 +189,7 @@ def test_remainder_masters_equal_fp32_masters_cast_half_up(precision: str) -> No
             _swap_step(swapped, swap, x)
             _assert_same(plain, swapped)
         swap._backend.pipeline.flush()
-        for slot, master in zip(swap._slots, reference.masters, strict=True):
+        for slot, master in zip(swap._layout.slots, reference.masters, strict=True):
             remainder = swap._backend.read(slot.master_key).view(torch.int16)
             rebuilt = join(slot.param.detach().reshape(-1), remainder.reshape(-1))
             assert torch.equal(rebuilt, master.reshape(-1)), slot.prefix

@@ -101,5 +101,5 @@ def test_add_param_group_too_large_for_the_budget_changes_nothing() -> None:
         with pytest.raises(ConfigError, match="minimum"):
             swap.add_param_group({"params": [big]})
         assert len(swap.param_groups) == 1
-        assert len(swap._slots) == 1
+        assert len(swap._layout.slots) == 1
         train_step(model, swap, batches(1)[0])

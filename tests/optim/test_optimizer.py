@@ -131,7 +131,7 @@ def test_mixed_precision_keeps_fp32_masters(dtype: torch.dtype, config: str) -> 
             _reference_mixed_step(ref_model, masters, ref, x)
             train_step(swap_model, swap, x)
         assert_same_params(ref_model, swap_model)
-        assert all(s.has_master for s in swap._slots)
+        assert all(s.has_master for s in swap._layout.slots)
         state = swap.state_dict()["state"]
         for index, ref_state in ref.state_dict()["state"].items():
             assert torch.equal(ref_state["exp_avg"], state[index]["exp_avg"])

@@ -116,10 +116,10 @@ def test_resume_with_mixed_precision_restores_masters(tmp_path) -> None:
     with SwapOptimizer(model.parameters(), **kwargs) as swap:
         for x in batches(2, dtype=torch.bfloat16):
             train_step(model, swap, x)
-        masters = [swap._backend.read(s.master_key) for s in swap._slots]
+        masters = [swap._backend.read(s.master_key) for s in swap._layout.slots]
     _, other = make_models(seed=3, dtype=torch.bfloat16)
     with SwapOptimizer(other.parameters(), **kwargs, resume=True) as resumed:
-        for slot, master in zip(resumed._slots, masters, strict=True):
+        for slot, master in zip(resumed._layout.slots, masters, strict=True):
             assert torch.equal(resumed._backend.read(slot.master_key), master)
             assert torch.equal(slot.param, master.to(torch.bfloat16))
 

@@ -10,7 +10,7 @@ import torch
 from tests.engine.policies import KeepEven
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.engine import LRUPolicy
-from tierswap.optim import SwapOptimizer, optimizer
+from tierswap.optim import SwapOptimizer, _layout
 
 LAYERS = 8
 
@@ -18,7 +18,7 @@ LAYERS = 8
 @pytest.fixture(autouse=True)
 def small_stream(monkeypatch) -> None:
     """Budgets of tests are KiB: stream a tenth of them, not the 32 MiB floor of real runs."""
-    monkeypatch.setattr(optimizer, "STREAM_FLOOR", 16 << 10)
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", 16 << 10)
 
 
 class Stack(torch.nn.Module):
@@ -124,3 +124,31 @@ def test_an_lru_instance_is_used_not_its_name(tmp_path) -> None:
         model.parameters(), swap_dir=tmp_path / "run", host_budget=STATE // 2, policy=Counting()
     ):
         assert Counting.calls > 0
+
+
+def test_load_snapshot_keeps_the_tiers(tmp_path) -> None:
+    """The backend reopens itself on the snapshot with the same budgets: the device tier still
+    holds its slices after the reload, and training goes on bitwise."""
+    host, device = PLACEMENTS["device+host+nvme"]
+    torch.manual_seed(0)
+    ref_model, model = Stack(), Stack()
+    model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2)
+    opt = SwapOptimizer(
+        model.named_parameters(), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget=host, device_budget=device, commit_every=0,
+    )  # fmt: skip
+    with opt:
+        _run(ref_model, ref, steps=2)
+        _run(model, opt, steps=2)
+        opt.snapshot(tmp_path / "snap")
+        _run(model, opt, steps=1)  # moves on past the snapshot, then goes back to it
+        opt.load_snapshot(tmp_path / "snap")
+        assert opt.steps == 2
+        _run(ref_model, ref, steps=2)
+        _run(model, opt, steps=2)
+        assert_same_params(ref_model, model)
+        stats = opt.tier_stats()
+        assert stats["device"]["budget"] == device
+        assert stats["device"]["used"] > 0
+        assert stats["device"]["hits"] > 0

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tierswap.optim import SwapOptimizer, find_swap_optimizer, hint_snapshot_folder
+from tierswap.optim import SwapOptimizer, find_swap_optimizer
 
 __all__ = ["SnapshotCheckpoints", "snapshot_checkpoints", "snapshot_name"]
 
@@ -68,7 +68,7 @@ class SnapshotCheckpoints:
         """``load_state_dict`` follows the reference in optimizer.bin; should the checkpoint
         have moved since it was saved, the snapshot is looked for in ``input_dir``."""
         for _index, opt in self._swap_optimizers():
-            hint_snapshot_folder(opt, input_dir)
+            opt.hint_snapshot_folder(input_dir)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -8,7 +8,6 @@ SwapOptimizer inside a framework's wrapper, and handling the small reference dic
 from __future__ import annotations
 
 from tierswap.optim._convert import find_swap_optimizer, offload, swapped
-from tierswap.optim._snapshot import hint_folder as hint_snapshot_folder
 from tierswap.optim._snapshot import is_reference as is_snapshot_reference
 from tierswap.optim._snapshot import reference_path as snapshot_reference_path
 from tierswap.optim._snapshot import retarget_reference as retarget_snapshot_reference
@@ -17,7 +16,6 @@ from tierswap.optim.optimizer import SwapOptimizer
 __all__ = [
     "SwapOptimizer",
     "find_swap_optimizer",
-    "hint_snapshot_folder",
     "is_snapshot_reference",
     "offload",
     "retarget_snapshot_reference",

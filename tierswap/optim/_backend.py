@@ -21,6 +21,7 @@ import torch
 from tierswap._lifetime import close_at_exit
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region, write_regions
+from tierswap.store import check_apart, replace_with_snapshot
 from tierswap.tiers import DEVICE, HOST, NVME
 
 if TYPE_CHECKING:
@@ -85,18 +86,51 @@ class StateBackend:
         self._cleanup = (
             weakref.finalize(self, shutil.rmtree, str(self.path), True) if temporary else None
         )
+        self._durable, self._chunk_bytes = durable, chunk_bytes
+        self._budgets = (budget, device_budget, device)
+        self.closed = False
         try:
-            self.store = _open_store(
-                self.folders, durable=durable, resume=resume, chunk_bytes=chunk_bytes
-            )
+            self._open(resume)
         except BaseException:
             if self._cleanup is not None:
                 self._cleanup()
             raise
+        close_at_exit(self)
+
+    def _open(self, resume: bool) -> None:
+        """Open the store on the folders and a pipeline on it."""
+        self.store = _open_store(
+            self.folders, durable=self._durable, resume=resume, chunk_bytes=self._chunk_bytes
+        )
+        budget, device_budget, device = self._budgets
         self.pipeline = Pipeline(self.store, budget, device_budget=device_budget, device=device)
         self.known: set[str] = set(self.store.keys()) if resume else set()
-        self.closed = False
-        close_at_exit(self)
+
+    def reopen_from(self, source: Path, chunk_bytes: int) -> None:
+        """Replace the folders' contents by the snapshot at ``source`` (hard links where the
+        filesystem allows) and reopen on it, as a resume would; new arrays get chunks of
+        ``chunk_bytes``. A temporary folder stays this backend's, removed at :meth:`close`.
+
+        Checks that ``source`` lies apart from the folders before anything changes. When the
+        replacement fails the backend is closed (the folders keep what the failure left: the
+        old commit, or the snapshot's).
+        """
+        for folder in self.folders:
+            check_apart(source, folder)
+        try:
+            self.pipeline.release()
+            self.pipeline.drain()
+        finally:
+            self.store.close()
+        self._chunk_bytes = chunk_bytes
+        try:
+            replace_with_snapshot(source, self.folders)
+            self._open(resume=True)
+        except BaseException:
+            self.closed = True
+            if self._cleanup is not None:
+                self._cleanup()
+            raise
 
     # -- tensors --------------------------------------------------------------------------
     def create(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:

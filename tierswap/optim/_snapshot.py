@@ -13,44 +13,38 @@ folder with (hard links to) the snapshot and resumes from it, like ``resume=True
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import shutil
-import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim import _state_dict
 from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
+from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
 from tierswap.store import (
     Progress,
     SnapshotResult,
     StorePaths,
-    check_apart,
     check_destination,
     replace_with_snapshot,
 )
 
-if TYPE_CHECKING:
-    from tierswap.optim.optimizer import SwapOptimizer
-
 __all__ = [
     "REFERENCE_KEY",
-    "hint_folder",
+    "Requests",
     "is_reference",
-    "load_reference",
-    "load_snapshot",
-    "mark_changed",
-    "redirect",
-    "redirected_state_dict",
     "reference",
     "reference_path",
+    "resolve_reference",
     "retarget_reference",
     "seed_swap_dir",
     "snapshot",
+    "snapshot_source",
 ]
 
 #: The one key of a reference state dict.
@@ -58,39 +52,63 @@ REFERENCE_KEY = "tierswap_snapshot"
 _FORMAT = 1
 
 
+@dataclasses.dataclass
+class Requests:
+    """One-shot requests a trainer integration arms on an optimizer: the folder the next
+    ``state_dict()`` snapshots into (``dest``), and the checkpoint folder the next reference
+    is loaded from (``hint``: where to look should the snapshot have moved)."""
+
+    dest: Path | None = None
+    hint: Path | None = None
+
+    def take_dest(self) -> Path | None:
+        dest, self.dest = self.dest, None
+        return dest
+
+    def take_hint(self) -> Path | None:
+        hint, self.hint = self.hint, None
+        return hint
+
+
 def snapshot(
-    optimizer: SwapOptimizer, dest: str | os.PathLike[str], *, progress: bool | Progress | None
+    backend: StateBackend,
+    step_state: StepState,
+    groups: list[dict[str, Any]],
+    commit: Callable[[], object],
+    dest: str | os.PathLike[str],
+    *,
+    progress: bool | Progress | None,
 ) -> SnapshotResult:
-    """Commit the optimizer (unless its last commit is of this very state), then keep that
-    commit as a store in ``dest`` (new or empty).
+    """Call ``commit`` (unless the last commit is of this very state), then keep that commit
+    as a store in ``dest`` (new or empty).
 
     Under ``torch.distributed`` each rank keeps its own folder's commit in ``dest/rank-<r>``,
     after checking (a collective: every rank must call this) that all ranks are at one step.
     """
-    backend = optimizer._backend
     dest = rank_swap_dir(Path(dest).absolute())
     check_destination(backend.folders, dest)  # fail before committing
-    check_same_step(optimizer.steps, backend.path, "snapshot")
-    if _needs_commit(optimizer):
-        optimizer.commit()
-        optimizer._snapshot_changed = False
+    check_same_step(step_state.steps, backend.path, "snapshot")
+    if _needs_commit(backend, step_state, groups):
+        commit()
     return backend.store.snapshot(dest, progress=progress)
 
 
-def _needs_commit(optimizer: SwapOptimizer) -> bool:
+def _needs_commit(
+    backend: StateBackend, step_state: StepState, groups: list[dict[str, Any]]
+) -> bool:
     """False when the last commit already holds this state (``commit_every`` committed this
     step), so a snapshot writes no data at all; state loaded since then forces a commit."""
-    backend = optimizer._backend
     meta = backend.committed_meta()
+    params = sum(len(group["params"]) for group in groups)
     if (
         meta is None
-        or getattr(optimizer, "_snapshot_changed", False)
-        or meta.get("steps") != optimizer.steps
-        or len(meta.get("layout", [])) != len(optimizer._slots)
+        or step_state.changed
+        or meta.get("steps") != step_state.steps
+        or len(meta.get("layout", [])) != params  # a param group added since
     ):
         return True
     # hyper-parameters changed since (an LR scheduler steps after the optimizer's commit)
-    current = [_state_dict.hyper_parameters(g) for g in optimizer.param_groups]
+    current = [_state_dict.hyper_parameters(g) for g in groups]
     return not _same(backend.load_small()["groups"], current)
 
 
@@ -105,43 +123,18 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def mark_changed(optimizer: SwapOptimizer) -> None:
-    """The state changed outside ``step()`` (a loaded state dict): the next snapshot commits."""
-    optimizer._snapshot_changed = True
-
-
-def reference(optimizer: SwapOptimizer, dest: str | os.PathLike[str]) -> dict[str, Any]:
-    """Snapshot into ``dest`` and return the small dict that :func:`load_reference` reads."""
-    result = snapshot(optimizer, dest, progress=None)
+def reference(result: SnapshotResult, steps: int) -> dict[str, Any]:
+    """The small dict naming the snapshot ``result`` of step ``steps``, which
+    :func:`resolve_reference` reads back."""
     return {
         REFERENCE_KEY: {
             "path": str(result.path),
             "name": result.path.name,
             "generation": result.generation,
-            "steps": optimizer.steps,
+            "steps": steps,
             "format": _FORMAT,
         }
     }
-
-
-def redirect(optimizer: SwapOptimizer, dest: str | os.PathLike[str] | None) -> None:
-    """Make the next ``state_dict()`` call return :func:`reference` into ``dest``."""
-    optimizer._state_dict_dest = None if dest is None else Path(dest).absolute()
-
-
-def redirected_state_dict(optimizer: SwapOptimizer) -> dict[str, Any] | None:
-    """The reference for an armed ``state_dict()`` call (disarming it), else ``None``."""
-    dest = getattr(optimizer, "_state_dict_dest", None)
-    if dest is None:
-        return None
-    optimizer._state_dict_dest = None
-    return reference(optimizer, dest)
-
-
-def hint_folder(optimizer: SwapOptimizer, folder: str | os.PathLike[str] | None) -> None:
-    """The checkpoint folder the next reference is loaded from: where to look for the snapshot
-    when the absolute path it records is gone (a moved or copied checkpoint)."""
-    optimizer._snapshot_hint = None if folder is None else Path(folder).absolute()
 
 
 def is_reference(state_dict: Any) -> bool:
@@ -163,14 +156,13 @@ def retarget_reference(state_dict: dict[str, Any], folder: str | os.PathLike[str
     state_dict[REFERENCE_KEY].update(path=str(path), name=path.name)
 
 
-def load_reference(optimizer: SwapOptimizer, state_dict: dict[str, Any]) -> None:
-    """Resume from the snapshot a reference dict names."""
+def resolve_reference(state_dict: dict[str, Any], hint: Path | None) -> Path:
+    """The snapshot folder a reference dict names: where it was taken, else, when that is gone,
+    the folder of the same name in ``hint`` (a moved or copied checkpoint); or raise."""
     ref = state_dict[REFERENCE_KEY]
     if int(ref.get("format", 0)) != _FORMAT:
         raise ConfigError(f"tierswap snapshot reference {ref!r} has an unknown format")
     path = Path(ref["path"])
-    hint = getattr(optimizer, "_snapshot_hint", None)
-    optimizer._snapshot_hint = None
     if not (path / "zarr.json").exists() and hint is not None and "name" in ref:
         path = hint / ref["name"]  # the checkpoint folder was moved or copied
     if not (path / "zarr.json").exists():
@@ -178,45 +170,22 @@ def load_reference(optimizer: SwapOptimizer, state_dict: dict[str, Any]) -> None
             f"the optimizer checkpoint references the snapshot {str(path)!r}, which is gone; "
             "if the checkpoint folder was moved, call optimizer.load_snapshot(<new path>)"
         )
-    load_snapshot(optimizer, path)
+    return path
 
 
-def load_snapshot(optimizer: SwapOptimizer, path: str | os.PathLike[str]) -> None:
-    """Replace the live swap folder with the snapshot at ``path`` and resume from it."""
-    config = optimizer._config
+def snapshot_source(path: str | os.PathLike[str]) -> Path:
+    """The folder of an optimizer snapshot at ``path`` (this rank's ``rank-<r>`` in a per-rank
+    snapshot); raises ``ConfigError`` when it holds no SwapOptimizer commit."""
     source = _rank_source(Path(path).absolute())
-    old = optimizer._backend
-    live, folders = old.path, old.folders
-    for folder in folders:
-        check_apart(source, folder)
     _check_optimizer_snapshot(source)
-    temporary = config.swap_dir is None
-    optimizer._finalizer.detach()
-    old.close()  # removes a temporary folder, which the snapshot then recreates
-    replace_with_snapshot(source, folders)
-    backend = StateBackend(
-        live if temporary else config.swap_dir,
-        budget=optimizer.host_budget,
-        durable=config.durable,
-        resume=True,
-        chunk_bytes=optimizer._chunk_bytes,
-    )
-    optimizer._backend = backend
-    optimizer._finalizer = weakref.finalize(optimizer, _close, backend, live if temporary else None)
-    optimizer._finalizer.atexit = False
-    meta = backend.committed_meta()
-    assert meta is not None  # checked by _check_optimizer_snapshot
-    _state_dict.restore_commit(optimizer, meta)
-    optimizer._stepped.clear()
+    return source
 
 
 def seed_swap_dir(swap_dir: StorePaths, resume_from: str | os.PathLike[str]) -> None:
     """For ``resume_from``: make ``swap_dir`` (a folder, or one per drive) a copy (by hard
     links) of the snapshot."""
     live, _temporary = resolve_swap_dir(swap_dir)
-    source = _rank_source(Path(resume_from).absolute())
-    _check_optimizer_snapshot(source)
-    replace_with_snapshot(source, live)
+    replace_with_snapshot(snapshot_source(resume_from), live)
 
 
 def _rank_source(path: Path) -> Path:
@@ -236,11 +205,3 @@ def _check_optimizer_snapshot(path: Path) -> None:
                 f"store {str(path)!r} holds no SwapOptimizer commit; pass a snapshot taken by "
                 "SwapOptimizer.snapshot() or a trainer checkpoint's optimizer.tierswap folder"
             )
-
-
-def _close(backend: StateBackend, temporary: Path | None) -> None:
-    try:
-        backend.close()
-    finally:
-        if temporary is not None:
-            shutil.rmtree(temporary, ignore_errors=True)

@@ -5,32 +5,37 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import warnings
-import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
+from tierswap.optim._layout import Layout
 from tierswap.optim._partition import Slot, local_tensor, master_dtype
 from tierswap.optim._slice_step import flat
+from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_world, world_meta
 from tierswap.pipeline import Region
 
 if TYPE_CHECKING:
-    from tierswap.optim.optimizer import SwapOptimizer
+    from tierswap.optim._backend import StateBackend
 
 __all__ = [
     "SwappedState",
     "adopt_direct_state",
     "base_arrays",
+    "check_commit",
     "check_format",
     "commit",
+    "final_commit",
     "load_state_dict",
     "master_of",
     "restore_commit",
     "state_dict",
+    "write_params",
 ]
 
 
@@ -55,22 +60,37 @@ def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", master_dtype(slot.param))
 
 
-def check_format(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
+def write_params(
+    backend: StateBackend, layout: Layout, slots: list[Slot], *, masters: bool
+) -> None:
+    """Write ``slots``' params that have no master (the committed copy) and, with
+    ``masters``, the masters of the others (cast from the params); a slice at a time, so
+    the transient stays within one slice."""
+    chosen = {slot.index for slot in slots}
+    for piece in layout.slices:
+        writes: dict[Region, torch.Tensor] = {}
+        for seg in piece.segments:
+            slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
+            if slot.index not in chosen:
+                continue
+            if slot.has_master and masters:
+                writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, values)
+            if slot.persists_param:
+                writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
+        backend.put_regions(writes)
+
+
+def check_format(config: SwapConfig, path: Any, meta: dict[str, Any]) -> None:
     """Raise ``ConfigError`` when the commit's ``state_precision`` or ``master`` differ from
     this optimizer's (folders from before compact state hold fp32)."""
-    config = optimizer._config
     for setting, ours in (("state_precision", config.state_precision), ("master", config.master)):
         theirs = meta.get(setting, "fp32")
         if theirs != ours:
             raise ConfigError(
-                f"swap_dir {str(optimizer._backend.path)!r} stores {setting}={theirs!r}, this "
+                f"swap_dir {str(path)!r} stores {setting}={theirs!r}, this "
                 f"optimizer has {setting}={ours!r}; resume with {setting}={theirs!r}, or start a "
                 "new swap_dir (load_state_dict converts a state dict to any format)"
             )
-
-
-def _layout(optimizer: SwapOptimizer) -> list[list[Any]]:
-    return [_entry(s) for s in optimizer._slots]
 
 
 def _entry(slot: Slot) -> list[Any]:
@@ -95,55 +115,62 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 hyper_parameters = _hyper
 
 
-def commit(optimizer: SwapOptimizer) -> int:
+def commit(
+    backend: StateBackend,
+    layout: Layout,
+    step_state: StepState,
+    *,
+    groups: list[dict[str, Any]],
+    config: SwapConfig,
+    optimizer_name: str,
+) -> int:
     """Write params without a master (those the last step did not), scalars and
-    hyper-parameters; flush the resident slices; commit."""
-    adopt_direct_state(optimizer)
-    optimizer._backend.pipeline.drain()
-    written = optimizer._params_written
-    unwritten = [s for s in optimizer._slots if s.persists_param and s.index not in written]
-    optimizer.write_from_params(unwritten, masters=False)
-    slots = optimizer._slots
+    hyper-parameters of ``groups``; flush the resident slices; commit. Returns the generation."""
+    backend.pipeline.drain()
+    slots = layout.slots
+    unwritten = [s for s in slots if s.persists_param and s.index not in step_state.params_written]
+    write_params(backend, layout, unwritten, masters=False)
     small = {  # keyed by each parameter's key prefix, so a resume can match by name
-        "small": {s.prefix: _clone(optimizer._small[s.index]) for s in slots},
-        "names": {s.prefix: list(optimizer._state_names[s.index]) for s in slots},
-        "groups": [_hyper(g) for g in optimizer.param_groups],
-        "steps": optimizer._steps,
+        "small": {s.prefix: _clone(step_state.small[s.index]) for s in slots},
+        "names": {s.prefix: list(step_state.names[s.index]) for s in slots},
+        "groups": [_hyper(g) for g in groups],
+        "steps": step_state.steps,
     }
     meta = {
-        "steps": optimizer._steps,
-        "optimizer": type(optimizer._inner).__name__,
-        "layout": _layout(optimizer),
+        "steps": step_state.steps,
+        "optimizer": optimizer_name,
+        "layout": [_entry(s) for s in slots],
         "keys": [s.prefix for s in slots],
         "names": [s.name for s in slots],
         "groups": [s.group for s in slots],  # a resume matches param groups by their members
-        "chunk_bytes": optimizer._chunk_bytes,
-        "state_precision": optimizer._config.state_precision,
-        "master": optimizer._config.master,
+        "chunk_bytes": layout.chunk_bytes,
+        "state_precision": config.state_precision,
+        "master": config.master,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
     }
-    generation = optimizer._backend.commit(small, meta)
-    optimizer._snapshot_changed = False  # the commit holds any state loaded before it
+    generation = backend.commit(small, meta)
+    step_state.changed = False  # the commit holds any state loaded before it
     return generation
 
 
-def final_commit(optimizer: SwapOptimizer) -> None:
-    """At ``close()``: commit the steps (or loaded state) since the last commit, where a
-    resume can use the commit; warn when there are such steps that cannot be committed."""
-    backend = optimizer._backend
-    config = optimizer._config
+def final_commit(
+    backend: StateBackend, config: SwapConfig, step_state: StepState, commit: Callable[[], object]
+) -> None:
+    """At ``close()``: call ``commit`` for the steps (or loaded state) since the last commit,
+    where a resume can use the commit; warn when there are such steps that cannot be
+    committed."""
     if backend.closed or not config.durable or config.swap_dir is None:
         return  # closed already, a scratch store, or a temporary folder that close() removes
     meta = backend.committed_meta()
     committed = 0 if meta is None else int(meta.get("steps", 0))
-    if committed == optimizer.steps and not optimizer._snapshot_changed:
+    if committed == step_state.steps and not step_state.changed:
         return
     where = f"swap_dir {str(backend.path)!r}"
     world = world_meta()
     if meta is not None and any(meta.get(k, 0 if k == "rank" else 1) != world[k] for k in world):
         reason = "the torch.distributed process group was destroyed before close()"
-    elif optimizer._step_failed or optimizer._plan_of_step is not None:
+    elif step_state.failed or step_state.plan is not None:
         reason = "a step failed (or is under way) and left the state between two steps"
     else:
         reason = ""
@@ -156,42 +183,54 @@ def final_commit(optimizer: SwapOptimizer) -> None:
         )
         return
     try:
-        commit(optimizer)
+        commit()
     except Exception as exc:
         warnings.warn(
-            f"{where}: close() could not commit steps {committed + 1}..{optimizer.steps} "
+            f"{where}: close() could not commit steps {committed + 1}..{step_state.steps} "
             f"({type(exc).__name__}: {exc}); resume=True continues from step {committed}",
             RuntimeWarning,
             stacklevel=3,
         )
 
 
-def restore_commit(optimizer: SwapOptimizer, meta: dict[str, Any]) -> None:
-    """Load the last commit: params (from masters or copies), scalars, groups, step count."""
-    backend = optimizer._backend
-    check_format(optimizer, meta)
+def check_commit(
+    backend: StateBackend, config: SwapConfig, slots: list[Slot], group_count: int,
+    meta: dict[str, Any],
+) -> list[int]:  # fmt: skip
+    """Check that the commit ``meta`` describes can be resumed here (format, world, parameters,
+    param groups), giving each slot its key in the commit; for each of the ``group_count``
+    param groups, the index of the committed group to restore it from. Raises
+    ``ConfigError`` before anything but the slots' keys changes."""
+    check_format(config, backend.path, meta)
     check_world(meta, backend.path)
-    match_keys(optimizer._slots, meta, backend.path)
+    match_keys(slots, meta, backend.path)
+    saved_count = len(backend.load_small()["groups"])
+    return match_groups(slots, group_count, meta, saved_count, backend.path)
+
+
+def restore_commit(
+    backend: StateBackend,
+    layout: Layout,
+    step_state: StepState,
+    groups: list[dict[str, Any]],
+    saved_groups: list[int],
+) -> None:
+    """Load the last commit (checked by :func:`check_commit`, ``layout`` in its chunking):
+    params (from masters or copies), scalars, hyper-parameters, step count."""
     small = backend.load_small()
-    saved_groups = match_groups(
-        optimizer._slots, len(optimizer.param_groups), meta, len(small["groups"]), backend.path
-    )  # checked before anything changes: a refused resume leaves optimizer and folder alone
-    chunk = meta.get("chunk_bytes")
-    if chunk and chunk != optimizer._chunk_bytes:  # slices must follow the stored chunking
-        optimizer._chunk_bytes = chunk
-        optimizer._plan()
-    by_prefix: dict[str | int, int] = {s.prefix: s.index for s in optimizer._slots}
     index_of: dict[str | int, int] = {
-        **by_prefix,
-        **{s.index: s.index for s in optimizer._slots},
+        **{s.prefix: s.index for s in layout.slots},
+        **{s.index: s.index for s in layout.slots},
     }  # positional blobs
-    optimizer._small = defaultdict(dict, {index_of[k]: v for k, v in small["small"].items()})
-    optimizer._state_names = defaultdict(list, {index_of[k]: v for k, v in small["names"].items()})
-    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+    step_state.restore(
+        {index_of[k]: v for k, v in small["small"].items()},
+        {index_of[k]: v for k, v in small["names"].items()},
+        small["steps"],
+    )
+    for group, saved in zip(groups, saved_groups, strict=True):
         group.update(small["groups"][saved])
-    optimizer._steps = small["steps"]
     with torch.no_grad():
-        for piece in optimizer._slices:  # a slice at a time: the transient stays one slice
+        for piece in layout.slices:  # a slice at a time: the transient stays one slice
             for seg in piece.segments:
                 slot = seg.slot
                 values = backend.read_region(Region(slot.restore_key, seg.start, seg.stop))
@@ -300,14 +339,16 @@ def _clone(value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
 
-def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
-    """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies."""
-    adopt_direct_state(optimizer)
-    backend = optimizer._backend
+def state_dict(
+    optimizer: torch.optim.Optimizer, backend: StateBackend, layout: Layout, step_state: StepState
+) -> dict[str, Any]:
+    """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies,
+    made by torch's own ``Optimizer.state_dict`` on ``optimizer`` with the state filled in
+    for the call (its ``state`` is empty before and after)."""
     backend.pipeline.flush()
-    for slot in optimizer._slots:
-        state = _clone(optimizer._small.get(slot.index, {}))
-        for name in optimizer._state_names[slot.index]:
+    for slot in layout.slots:
+        state = _clone(step_state.small.get(slot.index, {}))
+        for name in step_state.names[slot.index]:
             state[name] = _like_param(_read_state(backend, slot, name), slot.param)
         if state:
             optimizer.state[slot.param] = state
@@ -322,7 +363,7 @@ def state_dict(optimizer: SwapOptimizer) -> dict[str, Any]:
     return result
 
 
-def _read_state(backend: Any, slot: Slot, name: str) -> torch.Tensor:
+def _read_state(backend: StateBackend, slot: Slot, name: str) -> torch.Tensor:
     """State ``name`` of ``slot`` as torch keeps it: compact state decoded to fp32."""
     fmt = slot.moment_format(name)
     if fmt is None:
@@ -364,17 +405,27 @@ def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
-    """Load through the inner optimizer so torch's own checks and casts apply (to the masters).
+def load_state_dict(
+    backend: StateBackend,
+    layout: Layout,
+    step_state: StepState,
+    saved: dict[str, Any],
+    *,
+    inners: list[torch.optim.Optimizer],
+    param_groups: list[dict[str, Any]],
+    compute_device: torch.device,
+) -> None:
+    """Load through the torch optimizers of the groups (``inners``, one per group) so torch's
+    own checks and casts apply (to the masters, on ``compute_device``).
 
     Master weights are not part of torch's format: they are refreshed from the model params.
     All or nothing: when a write fails (disk full, ...) the optimizer is left as it was.
     """
-    optimizer._backend.pipeline.evict()
-    targets = [_load_target(optimizer, s) for s in optimizer._slots]
+    backend.pipeline.evict()
+    targets = [_load_target(s, compute_device) for s in layout.slots]
     position = 0
     groups = []
-    for group in optimizer.param_groups:
+    for group in param_groups:
         count = len(group["params"])
         groups.append({**group, "params": targets[position : position + count]})
         position += count
@@ -383,7 +434,7 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
         raise ValueError("loaded state dict has a different number of parameter groups")
     loaded_state: dict[torch.Tensor, Any] = {}
     loaded_groups: list[dict[str, Any]] = [{} for _ in groups]
-    for inner, members in _groups_by_inner(optimizer._inners):
+    for inner, members in _groups_by_inner(inners):
         ids = {i for m in members for i in saved_groups[m]["params"]}
         part = {
             "state": {k: v for k, v in saved.get("state", {}).items() if k in ids},
@@ -394,8 +445,8 @@ def load_state_dict(optimizer: SwapOptimizer, saved: dict[str, Any]) -> None:
         for m, group in zip(members, loaded, strict=True):
             loaded_groups[m] = group
     states = [loaded_state.get(target, {}) for target in targets]
-    _replace_states(optimizer, list(zip(optimizer._slots, states, strict=True)))
-    for group, restored in zip(optimizer.param_groups, loaded_groups, strict=True):
+    _replace_states(backend, step_state, list(zip(layout.slots, states, strict=True)))
+    for group, restored in zip(param_groups, loaded_groups, strict=True):
         group.update(_hyper(restored))
 
 
@@ -424,21 +475,18 @@ def _load_into(
         inner.param_groups, inner.state = own_groups, defaultdict(dict)
 
 
-def _load_target(optimizer: SwapOptimizer, slot: Slot) -> torch.Tensor:
+def _load_target(slot: Slot, compute_device: torch.device) -> torch.Tensor:
     """A tensor with the dtype and device the slot's state must have (torch casts to it)."""
     if not slot.has_master:
         return slot.local
-    return torch.empty(0, dtype=master_dtype(slot.param), device=optimizer.compute_device)
+    return torch.empty(0, dtype=master_dtype(slot.param), device=compute_device)
 
 
-def _replace_state(optimizer: SwapOptimizer, slot: Slot, state: dict[str, Any]) -> None:
-    _replace_states(optimizer, [(slot, state)])
-
-
-def _replace_states(optimizer: SwapOptimizer, states: list[tuple[Slot, dict[str, Any]]]) -> None:
+def _replace_states(
+    backend: StateBackend, step_state: StepState, states: list[tuple[Slot, dict[str, Any]]]
+) -> None:
     """Give each slot its new state, all or nothing: every tensor (and refreshed master) is
     written first, in one all-or-none put; only then are old names dropped and scalars set."""
-    backend = optimizer._backend
     tensors: dict[str, torch.Tensor] = {}
     names: dict[int, list[str]] = {}
     smalls: dict[int, dict[str, Any]] = {}
@@ -456,44 +504,46 @@ def _replace_states(optimizer: SwapOptimizer, states: list[tuple[Slot, dict[str,
             tensors[slot.param_key] = slot.local.detach().to("cpu")
     backend.put_many(tensors)
     for slot, _state in states:
-        for name in optimizer._state_names.pop(slot.index, []):
+        for name in step_state.names.pop(slot.index, []):
             if name not in names[slot.index]:
                 for key in slot.state_keys(name):
                     backend.delete(key)
         if names[slot.index]:
-            optimizer._state_names[slot.index] = names[slot.index]
-        optimizer._small[slot.index] = smalls[slot.index]
+            step_state.names[slot.index] = names[slot.index]
+        step_state.small[slot.index] = smalls[slot.index]
 
 
 class SwappedState(defaultdict[torch.Tensor, dict[str, Any]]):
     """``SwapOptimizer.state``: empty between calls, because the state lives in the swap space.
 
-    It is true whenever the swap space holds state, so torch's "is the state initialised?"
-    check (``torch.distributed.checkpoint.state_dict`` takes a zero-gradient step otherwise)
-    sees the state. Entries written into it directly, as ``ZeroRedundancyOptimizer.
+    It is true whenever the swap space holds state (``step_state`` says), so torch's "is the state
+    initialised?" check (``torch.distributed.checkpoint.state_dict`` takes a zero-gradient step
+    otherwise) sees the state. Entries written into it directly, as ``ZeroRedundancyOptimizer.
     load_state_dict`` does to its local optimizer, move into the swap space at the next
     ``step()``, ``commit()`` or ``state_dict()`` (:func:`adopt_direct_state`).
     """
 
-    def __init__(self, optimizer: SwapOptimizer | None = None) -> None:
+    def __init__(self, step_state: StepState | None = None) -> None:
         super().__init__(dict)
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self._step_state = step_state
 
     def __bool__(self) -> bool:
-        optimizer = self._optimizer() if self._optimizer is not None else None
-        if len(self) or optimizer is None:
-            return len(self) > 0
-        return any(optimizer._state_names.values()) or any(optimizer._small.values())
+        held = self._step_state is not None and self._step_state.holds_state()
+        return len(self) > 0 or held
 
 
-def adopt_direct_state(optimizer: SwapOptimizer) -> None:
-    """Move state written straight into ``optimizer.state`` into the swap space."""
-    for param, state in list(dict.items(optimizer.state)):
-        slot = optimizer._slot_of.get(id(param))
+def adopt_direct_state(
+    direct: dict[torch.Tensor, dict[str, Any]], backend: StateBackend, layout: Layout,
+    step_state: StepState,
+) -> None:  # fmt: skip
+    """Move state written straight into ``direct`` (the optimizer's ``state``) into the swap
+    space, and empty it."""
+    for param, state in list(dict.items(direct)):
+        slot = layout.slot_of.get(id(param))
         if slot is None:
             raise ConfigError(
                 f"optimizer.state holds a tensor of shape {tuple(param.shape)} that is not one "
                 "of this optimizer's parameters; load state with load_state_dict()"
             )
-        _replace_state(optimizer, slot, state)
-    optimizer.state.clear()
+        _replace_states(backend, step_state, [(slot, state)])
+    direct.clear()

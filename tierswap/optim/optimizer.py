@@ -22,25 +22,19 @@ from typing import Any, cast
 
 import torch
 
-from tierswap.engine import EvictionPolicy, make_policy, place
+from tierswap.engine import EvictionPolicy
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
+from tierswap.optim._layout import Layout, plan_layout
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
-from tierswap.optim._partition import (
-    Slice,
-    Slot,
-    check_budget,
-    chunk_target,
-    local_tensor,
-    master_dtype,
-    plan_slices,
-)
+from tierswap.optim._partition import Slice, Slot, local_tensor, master_dtype
 from tierswap.optim._probe import check_class, own_defaults, probe_group, whole_state
-from tierswap.optim._slice_step import StepPlan, flat, slice_reads, step_slice
+from tierswap.optim._slice_step import StepPlan, slice_reads, step_slice
+from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_resumed_steps
 from tierswap.optim.formats import MasterFormat, StatePrecision
 from tierswap.pipeline import Job, Region
@@ -48,18 +42,6 @@ from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["SwapOptimizer"]
-
-#: Upper bound of one slice's working set: large enough that the per-slice overhead (a few
-#: Python calls, one request per chunk) stays negligible, small enough to pipeline.
-MAX_SLICE_BYTES = 64 << 20
-#: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
-#: stepping, one or two being written back.
-STREAM_SLICES = 4
-#: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
-#: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
-STREAM_FLOOR = 32 << 20
-#: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
-MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
 
 
 class SwapOptimizer(torch.optim.Optimizer):
@@ -181,12 +163,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     # -- construction ---------------------------------------------------------------------
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
-        self._ready = False
-        # Snapshot bookkeeping (tierswap.optim._snapshot): state changed outside step(), the
-        # folder the next state_dict() snapshots into, where the next reference may have moved.
-        self._snapshot_changed = False
-        self._state_dict_dest: Path | None = None
-        self._snapshot_hint: Path | None = None
+        self._ready = False  # torch's constructor calls add_param_group before the rest exists
         fix_mmap_threshold()  # slice-sized transients go back to the OS when freed
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
@@ -194,34 +171,30 @@ class SwapOptimizer(torch.optim.Optimizer):
         existing = inner.state_dict() if inner.state else None
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
-        self.state = _state_dict.SwappedState(self)  # true when the swap space holds state
+        self._state = StepState()
+        self.state = _state_dict.SwappedState(self._state)  # true when the swap space holds state
+        self._requests = _snapshot.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
-        self._slots: list[Slot] = []
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self._small: dict[int, dict[str, Any]] = defaultdict(dict)
-        self._state_names: dict[int, list[str]] = defaultdict(list)
-        self._steps = 0
-        self._stepped: set[int] = set()  # slices stepped in backward hooks this step
-        self._step_failed = False  # a step raised halfway: the state is not a step's end
-        self._params_written: set[int] = set()  # params the last step wrote to the store
-        self._plan_of_step: StepPlan | None = None
         self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
         if config.overlap == "forward":
             self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
+        slots: list[Slot] = []
         for group in self.param_groups:
-            self._add_slots(group)
-        self._chunk_bytes = self._plan()
+            slots += self._new_slots(group, len(slots))
+        check_unique([slot.prefix for slot in slots])
+        self._layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
             _snapshot.seed_swap_dir(config.swap_dir, config.resume_from)
         self._backend = StateBackend(
             config.swap_dir,
-            budget=self.host_budget,
+            budget=self._layout.host_budget,
             durable=config.durable,
             resume=config.resume,
-            chunk_bytes=self._chunk_bytes,
+            chunk_bytes=self._layout.chunk_bytes,
             device_budget=config.device_bytes,
             device=self.compute_device,
         )
@@ -235,25 +208,28 @@ class SwapOptimizer(torch.optim.Optimizer):
         try:
             self._start(config.resume)
             if config.resume:  # every rank must resume the same step (a collective)
-                check_resumed_steps(self._steps, self._backend.path)
+                check_resumed_steps(self._state.steps, self._backend.path)
         except BaseException:
             self._finalizer()
             raise
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
-        self._hook_handles = _hooks.register(self, [s.param for s in self._slots])
+        self._hook_handles = _hooks.register(self, [s.param for s in self._layout.slots])
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
             self.load_state_dict(existing)
 
-    def _add_slots(self, group: dict[str, Any]) -> None:
+    def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:
+        """The slots of ``group``'s parameters, numbered from ``first``; registers the torch
+        optimizer that steps the group (checked: a class the library can slice or step whole)."""
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         optimizer_class = group.get("optimizer_class", type(self._inner))
         check_class(optimizer_class)
-        self._inners.append(self._inner_of(optimizer_class))
+        inner = self._inner_of(optimizer_class)
         probes: dict[torch.dtype, tuple[bool, tuple[int, ...]]] = {}
         names = group.get("param_names") or [None] * len(group["params"])
+        slots: list[Slot] = []
         for param, name in zip(group["params"], names, strict=True):
             dtype = master_dtype(param)
             if dtype not in probes:
@@ -267,14 +243,15 @@ class SwapOptimizer(torch.optim.Optimizer):
             whole = None if cut else whole_state(optimizer_class, group, param, name)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             key = key_prefix(name) if name is not None else ""
-            self._slots.append(
+            slots.append(
                 Slot(
-                    len(self._slots), param, group_index, has_master, itemsizes, name, key,
+                    first + len(slots), param, group_index, has_master, itemsizes, name, key,
                     whole_state=whole, precision=self._config.state_precision,
                     remainder=self._config.master == "remainder" and param.dtype == torch.bfloat16,
                 )
             )  # fmt: skip
-        check_unique([slot.prefix for slot in self._slots])
+        self._inners.append(inner)
+        return slots
 
     def _inner_of(self, optimizer_class: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """The torch optimizer that steps groups of ``optimizer_class``: the inner one, or one
@@ -288,116 +265,74 @@ class SwapOptimizer(torch.optim.Optimizer):
         made: torch.optim.Optimizer = optimizer_class([dummy])  # type: ignore[call-arg]
         return made
 
-    def _plan(self) -> int:
-        """Cut the slots into slices, choose where each stays between steps, check budgets.
-
-        Returns the chunk size for the state arrays. All state within the host budget: large
-        slices. Else slices of about a ``STREAM_SLICES``-th of the streaming part of the
-        budget (a tenth, at least ``STREAM_FLOOR``). The policy then chooses, on the step's
-        cyclic schedule, which slices stay resident: in the device tier first
-        (``device_budget``), then in host memory (what the host budget has beyond the
-        streaming part); the rest streams from disk (:func:`tierswap.engine.place`).
-        """
-        chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(
-            chunk_target(self._slots, MAX_SLICE_BYTES)
+    def _plan(
+        self, slots: list[Slot], host_budget: int | None, chunk_bytes: int | None = None
+    ) -> Layout:
+        """The layout of ``slots`` under this optimizer's budgets and policy
+        (:func:`~tierswap.optim._layout.plan_layout`)."""
+        config = self._config
+        return plan_layout(
+            slots,
+            host_budget=host_budget,
+            device_budget=config.device_bytes,
+            policy=config.policy,
+            chunk_bytes=chunk_bytes,
+            forward_order=config.overlap == "forward",
+            device_compute=self.compute_device.type != "cpu",
         )
-        whole = plan_slices(self._slots[::-1], MAX_SLICE_BYTES, chunk)
-        total = sum(piece.working_set for piece in whole)
-        if not hasattr(self, "_backend"):  # the pipeline's budget is fixed once it exists
-            configured = self._config.host_bytes
-            self.host_budget = configured if configured is not None else max(total, 1)
-        stream = 0
-        if total <= self.host_budget:
-            self._slices: list[Slice] = whole
-        else:
-            stream = max(self.host_budget // 10, min(self.host_budget, STREAM_FLOOR))
-            target = min(max(stream // STREAM_SLICES, 1), MAX_SLICE_BYTES)
-            chunk = getattr(self, "_chunk_bytes", None) or _chunk_for(
-                chunk_target(self._slots, target)
-            )
-            self._slices = plan_slices(self._slots[::-1], target, chunk)
-        check_budget(self._slices, self.host_budget, "host_budget")
-        if self.compute_device.type != "cpu":  # streamed slices step on the device
-            check_budget(self._slices, self._config.device_bytes, "device_budget")
-        self._placement = self._place(stream)
-        self._slices_of: dict[int, list[Slice]] = defaultdict(list)
-        for piece in self._slices:
-            for slot in {seg.slot.index for seg in piece.segments}:
-                self._slices_of[slot].append(piece)
-        self._slot_of = {id(s.param): s for s in self._slots}
-        return chunk
-
-    def _place(self, stream: int) -> dict[int, TierName]:
-        """The tier each resident slice stays in between steps, as the policy chooses on the
-        step's schedule (slice indices; absent: streamed)."""
-        largest = max((piece.working_set for piece in self._slices), default=0)
-        capacities: dict[str, int] = {DEVICE: self._config.device_bytes}
-        if self.compute_device.type != "cpu":  # streamed slices pass through the device
-            capacities[DEVICE] = max(capacities[DEVICE] - 2 * largest, 0)
-        capacities[HOST] = self.host_budget - max(stream, STREAM_SLICES * largest if stream else 0)
-        policy = self._config.policy
-        policies = {
-            tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
-        }
-        sizes = {str(piece.index): piece.working_set for piece in self._slices}
-        order = self._slices[::-1] if self._config.overlap == "forward" else self._slices
-        schedule = [str(piece.index) for piece in order]  # the order the slices step in
-        placed = place(policies, schedule, sizes, capacities)
-        return {int(key): cast(TierName, tier) for key, tier in placed.items()}
 
     def _start(self, resume: bool) -> None:
+        """Resume the folder's last commit, or create the arrays and write the masters."""
         meta = self._backend.committed_meta() if resume else None
         if meta is not None:
-            _state_dict.restore_commit(self, meta)
+            self._restore(meta)
             return
-        for slot in self._slots:
+        self._create(self._layout.slots)
+
+    def _create(self, slots: list[Slot]) -> None:
+        """Create the arrays of new ``slots`` and write their masters (or params)."""
+        for slot in slots:
             for key, dtype in _state_dict.base_arrays(slot):
                 if key not in self._backend.known:
                     self._backend.create(key, tuple(slot.local.shape), dtype)
-        self.write_from_params(self._slots, masters=True)
+        _state_dict.write_params(self._backend, self._layout, slots, masters=True)
 
-    def write_from_params(self, slots: list[Slot], *, masters: bool) -> None:
-        """Write ``slots``' params that have no master (the committed copy) and, with
-        ``masters``, the masters of the others (cast from the params); a slice at a time, so
-        the transient stays within one slice."""
-        chosen = {slot.index for slot in slots}
-        for piece in self._slices:
-            writes: dict[Region, torch.Tensor] = {}
-            for seg in piece.segments:
-                slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
-                if slot.index not in chosen:
-                    continue
-                if slot.has_master and masters:
-                    master = _state_dict.master_of(slot, values)
-                    writes[Region(slot.master_key, seg.start, seg.stop)] = master
-                if slot.persists_param:
-                    writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
-            self._backend.put_regions(writes)
+    def _restore(self, meta: dict[str, Any]) -> None:
+        """Load the commit ``meta`` describes; slices follow its chunking."""
+        layout = self._layout
+        saved_groups = _state_dict.check_commit(
+            self._backend, self._config, layout.slots, len(self.param_groups), meta
+        )  # checked before anything changes: a refused resume leaves optimizer and folder alone
+        chunk = meta.get("chunk_bytes")
+        if chunk and chunk != layout.chunk_bytes:
+            self._layout = self._plan(layout.slots, layout.host_budget, chunk)
+        _state_dict.restore_commit(
+            self._backend, self._layout, self._state, self.param_groups, saved_groups
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
-        ready = getattr(self, "_ready", False)
-        if ready:
-            self._deferred.wait()
-        if ready and self._config.resume and self._steps:
+        if not self._ready:  # torch's constructor: the groups become slots in _setup
+            super().add_param_group(param_group)
+            return
+        self._deferred.wait()
+        if self._config.resume and self._state.steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
         super().add_param_group(param_group)
-        if not ready:
-            return
-        count = len(self._slots)
+        layout = self._layout
         try:
-            self._add_slots(self.param_groups[-1])
-            self._backend.pipeline.evict()
-            self._plan()
-        except ConfigError:  # the new group does not fit the budget: leave things as they were
-            del self._slots[count:]
+            added = self._new_slots(self.param_groups[-1], len(layout.slots))
+            check_unique([slot.prefix for slot in layout.slots + added])
+            new_layout = self._plan(layout.slots + added, layout.host_budget, layout.chunk_bytes)
+        except BaseException:  # (the new group does not fit the budget): leave things as they were
             del self._inners[len(self.param_groups) - 1 :]
             self.param_groups.pop()
-            self._plan()
             raise
-        self._start(resume=False)
+        self._backend.pipeline.evict()
+        self._layout = new_layout
+        self._create(added)
         _hooks.remove(self._hook_handles)
-        self._hook_handles = _hooks.register(self, [s.param for s in self._slots])
+        self._hook_handles = _hooks.register(self, [s.param for s in self._layout.slots])
 
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
@@ -408,7 +343,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         they step, in forward order, while the next forward pass runs.
         """
         self._deferred.wait()
-        _state_dict.adopt_direct_state(self)  # e.g. from ZeroRedundancyOptimizer.load_state_dict
+        self._adopt_direct_state()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -420,52 +355,52 @@ class SwapOptimizer(torch.optim.Optimizer):
         live = self._live_slots()
         pieces = [
             piece
-            for piece in self._slices
-            if piece.index not in self._stepped and any(s.index in live for s in piece.slots)
+            for piece in self._layout.slices
+            if piece.index not in self._state.stepped and any(s.index in live for s in piece.slots)
         ]
         try:
             self._step_slices(pieces, live)
             if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
                 for index in live:
-                    self._slots[index].param.grad = None
+                    self._layout.slots[index].param.grad = None
         finally:
             self._backend.pipeline.release()
-            plan, self._plan_of_step = self._plan_of_step, None
-            self._stepped.clear()
+            plan, self._state.plan = self._state.plan, None
+            self._state.stepped.clear()
             self._final.clear()
-        self._steps += 1
+        self._state.steps += 1
         self._end_step(plan, due)
         return loss
 
     def _live_slots(self) -> set[int]:
         """The slots this step updates: those whose parameter has a gradient."""
-        return {s.index for s in self._slots if s.param.grad is not None}
+        return {s.index for s in self._layout.slots if s.param.grad is not None}
 
     def _end_step(self, plan: StepPlan | None, due: bool) -> None:
         """After a step's slices: keep their scalar state, note which params they wrote, and
         commit when due (``step()``, or the worker of ``overlap="forward"``)."""
         if plan is not None:
-            self._small.update(plan.small_after)  # only now: hooks share small_before
+            self._state.small.update(plan.small_after)  # only now: hooks share small_before
         # Stepped params without a master were written with their slices when a commit is due.
-        self._params_written = plan.live if plan is not None and plan.write_params else set()
+        self._state.params_written = plan.live if plan is not None and plan.write_params else set()
         if due:
-            _state_dict.commit(self)
+            self._commit()
 
     def _schedule_step(self) -> None:
         """``overlap="forward"``: freeze what the step needs now (gradients, hyper-parameters),
         then step the slices on the worker, in forward order, and commit there when due."""
         due = self._commit_due()
         live = self._live_slots()
-        pieces = [p for p in self._slices[::-1] if any(s.index in live for s in p.slots)]
+        pieces = [p for p in self._layout.slices[::-1] if any(s.index in live for s in p.slots)]
         plan = self._new_plan()
         plan.live |= live
         plan.groups = [_frozen(group) for group in self.param_groups]  # the scheduler moves on
-        plan.grads = {index: self._slots[index].param.grad for index in live}
+        plan.grads = {index: self._layout.slots[index].param.grad for index in live}
         self._read_ahead = False  # the next backward starts the next step's reads
         counts: Counter[int] = Counter()
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
-        self._steps += 1
+        self._state.steps += 1
 
         def run() -> None:
             try:
@@ -484,44 +419,45 @@ class SwapOptimizer(torch.optim.Optimizer):
         final (every ``accumulation_steps`` backward passes) and frees the gradients of the
         parameters whose slices have all stepped.
         """
-        slot = self._slot_of.get(id(param))
+        slot = self._layout.slot_of.get(id(param))
         if slot is None or self._backend.closed:
             return
         if self._config.overlap == "forward":  # read ahead now for the next step, in its order
             if not self._read_ahead and not self._deferred.busy:
                 self._read_ahead = True
-                self._backend.pipeline.prefetch([self._job(p) for p in self._slices[::-1]])
+                self._backend.pipeline.prefetch([self._job(p) for p in self._layout.slices[::-1]])
             return
         if self._config.overlap != "backward":
-            self._backend.pipeline.prefetch([self._job(p) for p in self._slices_of[slot.index]])
+            pieces = self._layout.slices_of[slot.index]
+            self._backend.pipeline.prefetch([self._job(p) for p in pieces])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self._config.accumulation_steps:
             return
         self._final.add(slot.index)
-        ready = [p for p in self._slices_of[slot.index] if self._ready_in_backward(p)]
+        ready = [p for p in self._layout.slices_of[slot.index] if self._ready_in_backward(p)]
         if ready:
             with torch.no_grad():
                 self._step_slices(ready)
         for index in {seg.slot.index for piece in ready for seg in piece.segments}:
-            if all(p.index in self._stepped for p in self._slices_of[index]):
-                self._slots[index].param.grad = None
+            if all(p.index in self._state.stepped for p in self._layout.slices_of[index]):
+                self._layout.slots[index].param.grad = None
 
     def _ready_in_backward(self, piece: Slice) -> bool:
         """Not yet stepped, and every parameter that will get a gradient has its final one."""
-        return piece.index not in self._stepped and all(
+        return piece.index not in self._state.stepped and all(
             seg.slot.index in self._final or not seg.slot.param.requires_grad
             for seg in piece.segments
         )
 
     def _step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
         """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
-        plan = self._plan_of_step
+        plan = self._state.plan
         if plan is None:
-            plan = self._plan_of_step = self._new_plan()
+            plan = self._state.plan = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
         self._run_slices(plan, pieces)
-        self._stepped.update(piece.index for piece in pieces)
+        self._state.stepped.update(piece.index for piece in pieces)
 
     def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
         """Stream ``pieces`` through the pipeline, each stepped by :meth:`_work` with ``plan``."""
@@ -529,23 +465,23 @@ class SwapOptimizer(torch.optim.Optimizer):
         try:
             self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
         except BaseException:
-            self._step_failed = True  # some slices may have stepped: close() must not commit
+            self._state.failed = True  # some slices may have stepped: close() must not commit
             raise
 
     def _new_plan(self) -> StepPlan:
         """The arguments every slice's work gets during one step (kept for the whole step, so
         slices stepped in hooks and in ``step()`` see the same state before the step)."""
         fresh = {
-            s.index for s in self._slots if not self._state_names.get(s.index)
-            and not self._small.get(s.index)
+            s.index for s in self._layout.slots if not self._state.names.get(s.index)
+            and not self._state.small.get(s.index)
         }  # fmt: skip
         return StepPlan(
             inners=self._inners,
             groups=self.param_groups,
             live=set(),
             fresh=fresh,
-            state_names=self._state_names,
-            small_before=self._small,
+            state_names=self._state.names,
+            small_before=self._state.small,
             write_params=self._commit_due(),
             compute_device=self.compute_device,
             create=self._backend.create,
@@ -553,20 +489,20 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def _commit_due(self) -> bool:
         every = self._config.commit_every
-        return bool(every) and (self._steps + 1) % every == 0
+        return bool(every) and (self._state.steps + 1) % every == 0
 
     def _job(self, piece: Slice) -> Job:
         """The pipeline job of ``piece``: its reads, bytes and residency."""
         return Job(
             piece.index,
-            slice_reads(piece, self._state_names),
+            slice_reads(piece, self._state.names),
             piece.working_set,
-            tier=self._placement.get(piece.index),
+            tier=self._layout.placement.get(piece.index),
         )
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
-        piece = self._slices[cast(int, job.name)]  # jobs are named by slice index
+        piece = self._layout.slices[cast(int, job.name)]  # jobs are named by slice index
         writes = step_slice(plan, piece, tensors)
         self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
@@ -591,7 +527,19 @@ class SwapOptimizer(torch.optim.Optimizer):
     def commit(self) -> int:
         """Make the current masters, state and step count the folder's atomic restart point."""
         self._deferred.wait()
-        return _state_dict.commit(self)
+        return self._commit()
+
+    def _commit(self) -> int:
+        self._adopt_direct_state()
+        return _state_dict.commit(
+            self._backend, self._layout, self._state, groups=self.param_groups,
+            config=self._config, optimizer_name=type(self._inner).__name__,
+        )  # fmt: skip
+
+    def _adopt_direct_state(self) -> None:
+        """Move state written straight into ``self.state`` (as ``ZeroRedundancyOptimizer.
+        load_state_dict`` does) into the swap space."""
+        _state_dict.adopt_direct_state(self.state, self._backend, self._layout, self._state)
 
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's own format (materialised in host RAM, as CPU tensors).
@@ -600,18 +548,25 @@ class SwapOptimizer(torch.optim.Optimizer):
         the small reference dict of :meth:`snapshot_state_dict`.
         """
         self._deferred.wait()
-        redirected = _snapshot.redirected_state_dict(self)
-        return redirected if redirected is not None else _state_dict.state_dict(self)
+        dest = self._requests.take_dest()
+        if dest is not None:
+            return self.snapshot_state_dict(dest)
+        self._adopt_direct_state()
+        return _state_dict.state_dict(self, self._backend, self._layout, self._state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in torch's format (from this class or the plain optimizer), or a
         snapshot reference from :meth:`snapshot_state_dict`."""
         self._deferred.wait()
+        hint = self._requests.take_hint()
         if _snapshot.is_reference(state_dict):
-            _snapshot.load_reference(self, state_dict)
-        else:
-            _state_dict.load_state_dict(self, state_dict)
-            _snapshot.mark_changed(self)
+            self.load_snapshot(_snapshot.resolve_reference(state_dict, hint))
+            return
+        _state_dict.load_state_dict(
+            self._backend, self._layout, self._state, state_dict, inners=self._inners,
+            param_groups=self.param_groups, compute_device=self.compute_device,
+        )  # fmt: skip
+        self._state.changed = True  # the next snapshot commits
 
     # -- snapshots (see tierswap.optim._snapshot) -------------------------------------------
     def snapshot(
@@ -621,23 +576,34 @@ class SwapOptimizer(torch.optim.Optimizer):
         links to the swap folder's files (no data copied), a copy across filesystems. Commits
         first unless the last commit already holds this state (``commit_every`` did it)."""
         self._deferred.wait()
-        return _snapshot.snapshot(self, dest, progress=progress)
+        return _snapshot.snapshot(
+            self._backend, self._state, self.param_groups, self._commit, dest, progress=progress
+        )
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
         :meth:`load_state_dict` accepts (a trainer checkpoint that never materialises)."""
-        self._deferred.wait()
-        return _snapshot.reference(self, dest)
+        return _snapshot.reference(self.snapshot(dest), self._state.steps)
 
     def redirect_state_dict(self, dest: str | os.PathLike[str] | None) -> None:
         """Make the next :meth:`state_dict` call return :meth:`snapshot_state_dict` of ``dest``
         (``None`` cancels). For trainers that save ``optimizer.state_dict()`` themselves."""
-        _snapshot.redirect(self, dest)
+        self._requests.dest = None if dest is None else Path(dest).absolute()
+
+    def hint_snapshot_folder(self, folder: str | os.PathLike[str] | None) -> None:
+        """Name the checkpoint folder the next :meth:`load_state_dict` of a snapshot reference
+        comes from: where the snapshot is looked for when the absolute path the reference
+        records is gone (a moved or copied checkpoint). ``None`` cancels."""
+        self._requests.hint = None if folder is None else Path(folder).absolute()
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Replace the swap folder by the snapshot at ``path`` and resume from it."""
         self._deferred.wait()
-        _snapshot.load_snapshot(self, path)
+        source = _snapshot.snapshot_source(path)
+        self._backend.reopen_from(source, self._layout.chunk_bytes)
+        meta = self._backend.committed_meta()
+        assert meta is not None  # checked by snapshot_source
+        self._restore(meta)
 
     # -- introspection and teardown -------------------------------------------------------
     @property
@@ -648,12 +614,17 @@ class SwapOptimizer(torch.optim.Optimizer):
     @property
     def steps(self) -> int:
         """Number of ``step()`` calls, counted across resumes."""
-        return self._steps
+        return self._state.steps
+
+    @property
+    def host_budget(self) -> int:
+        """Bytes of the host tier: resident slices and slices in flight."""
+        return self._layout.host_budget
 
     @property
     def slices(self) -> list[Slice]:
         """The slices in schedule order."""
-        return list(self._slices)
+        return list(self._layout.slices)
 
     partitions = slices  # the name of the unit before slices split parameters
 
@@ -661,7 +632,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def placement(self) -> dict[int, TierName]:
         """Where each resident slice stays between steps: slice index -> ``"device"`` or
         ``"host"``, as the policy chose; slices not listed stream from disk every step."""
-        return dict(self._placement)
+        return dict(self._layout.placement)
 
     def tier_stats(self) -> dict[str, Any]:
         """What each tier really holds and serves: ``{"device"|"host": {used, budget, hits,
@@ -678,7 +649,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         steps. After a failed step, or when the commit fails, it warns (``RuntimeWarning``)
         and the folder keeps its last commit. A temporary swap folder is removed.
         """
-        _hooks.remove(getattr(self, "_hook_handles", []))
+        _hooks.remove(self._hook_handles)
         self._hook_handles = []
         failure: BaseException | None = None
         try:
@@ -686,7 +657,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         except BaseException as exc:  # it failed: no final commit (it warns), then raise it
             failure = exc
         try:
-            _state_dict.final_commit(self)
+            _state_dict.final_commit(self._backend, self._config, self._state, self._commit)
         finally:  # the lock and the store are released even when the commit fails
             self._finalizer()
         if failure is not None:
@@ -700,19 +671,10 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"SwapOptimizer({type(self._inner).__name__}, params={len(self._slots)}, "
-            f"slices={len(self._slices)}, tier={self.tier!r}, "
+            f"SwapOptimizer({type(self._inner).__name__}, params={len(self._layout.slots)}, "
+            f"slices={len(self._layout.slices)}, tier={self.tier!r}, "
             f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
         )
-
-
-def _chunk_for(target: int) -> int:
-    """Chunk size of the state arrays for slices of about ``target`` bytes: a power of two,
-    about a quarter of the slice per array, so slices split parameters finely."""
-    chunk = MIN_CHUNK_BYTES
-    while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
-        chunk *= 2
-    return chunk
 
 
 def _compute_device(tier: str) -> torch.device:

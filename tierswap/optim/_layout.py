@@ -1,0 +1,135 @@
+"""The optimizer's layout: its parameters cut into slices, and where each slice stays.
+
+A :class:`Layout` is computed in one place (:func:`plan_layout`) from the slots, the budgets and
+the policy, and replaced whole when any of them changes (a param group added, a resume with
+another chunking); nothing edits one in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import cast
+
+from tierswap.engine import EvictionPolicy, make_policy, place
+from tierswap.optim._partition import (
+    Slice,
+    Slot,
+    check_budget,
+    chunk_target,
+    plan_slices,
+)
+from tierswap.tiers import DEVICE, HOST, TierName
+
+__all__ = [
+    "MAX_CHUNK_BYTES",
+    "MAX_SLICE_BYTES",
+    "MIN_CHUNK_BYTES",
+    "STREAM_FLOOR",
+    "STREAM_SLICES",
+    "Layout",
+    "plan_layout",
+]
+
+#: Upper bound of one slice's working set: large enough that the per-slice overhead (a few
+#: Python calls, one request per chunk) stays negligible, small enough to pipeline.
+MAX_SLICE_BYTES = 64 << 20
+#: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
+#: stepping, one or two being written back.
+STREAM_SLICES = 4
+#: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
+#: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
+STREAM_FLOOR = 32 << 20
+#: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The slots (one per parameter), the slices they are cut into (in the order ``step()``
+    streams them), and where each resident slice stays between steps.
+
+    ``placement`` maps slice indices to ``"device"`` or ``"host"``; a slice not in it streams
+    from disk every step. ``chunk_bytes`` is the chunk size of the state arrays (slices cut
+    parameters at its multiples), ``host_budget`` the bytes of the host tier.
+    """
+
+    slots: list[Slot]
+    slices: list[Slice]
+    placement: dict[int, TierName]
+    chunk_bytes: int
+    host_budget: int
+
+    #: Slot index -> the slices that hold part of it.
+    slices_of: dict[int, list[Slice]] = dataclasses.field(init=False)
+    #: ``id(param)`` -> its slot.
+    slot_of: dict[int, Slot] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        slices_of: dict[int, list[Slice]] = defaultdict(list)
+        for piece in self.slices:
+            for slot in {seg.slot.index for seg in piece.segments}:
+                slices_of[slot].append(piece)
+        object.__setattr__(self, "slices_of", slices_of)
+        object.__setattr__(self, "slot_of", {id(s.param): s for s in self.slots})
+
+
+def plan_layout(
+    slots: list[Slot],
+    *,
+    host_budget: int | None,
+    device_budget: int,
+    policy: str | EvictionPolicy,
+    chunk_bytes: int | None = None,
+    forward_order: bool = False,
+    device_compute: bool = False,
+) -> Layout:
+    """Cut ``slots`` into slices, choose where each stays between steps, check the budgets.
+
+    ``host_budget=None`` sizes the host tier to the whole state. When the state fits it, the
+    slices are large; else each is about a ``STREAM_SLICES``-th of the streaming part of the
+    budget (a tenth, at least ``STREAM_FLOOR``). The policy then chooses, on the step's cyclic
+    schedule (forward order with ``forward_order``), which slices stay resident: in the device
+    tier first (``device_budget``), then in host memory (what the host budget has beyond the
+    streaming part); the rest streams from disk (:func:`tierswap.engine.place`).
+    ``chunk_bytes`` keeps a chunking already stored (``None``: choose one).
+    ``device_compute``: slices step on a GPU, so streamed ones pass through device memory too.
+    Raises ``ConfigError`` when a slice does not fit a budget.
+    """
+    chunk = chunk_bytes or _chunk_for(chunk_target(slots, MAX_SLICE_BYTES))
+    whole = plan_slices(slots[::-1], MAX_SLICE_BYTES, chunk)
+    total = sum(piece.working_set for piece in whole)
+    budget = host_budget if host_budget is not None else max(total, 1)
+    stream = 0
+    slices = whole
+    if total > budget:
+        stream = max(budget // 10, min(budget, STREAM_FLOOR))
+        target = min(max(stream // STREAM_SLICES, 1), MAX_SLICE_BYTES)
+        chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
+        slices = plan_slices(slots[::-1], target, chunk)
+    check_budget(slices, budget, "host_budget")
+    if device_compute:
+        check_budget(slices, device_budget, "device_budget")
+    largest = max((piece.working_set for piece in slices), default=0)
+    capacities: dict[str, int] = {DEVICE: device_budget}
+    if device_compute:  # streamed slices pass through the device
+        capacities[DEVICE] = max(device_budget - 2 * largest, 0)
+    capacities[HOST] = budget - max(stream, STREAM_SLICES * largest if stream else 0)
+    policies = {
+        tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
+    }
+    sizes = {str(piece.index): piece.working_set for piece in slices}
+    order = slices[::-1] if forward_order else slices
+    schedule = [str(piece.index) for piece in order]  # the order the slices step in
+    placed = place(policies, schedule, sizes, capacities)
+    placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
+    return Layout(list(slots), slices, placement, chunk, budget)
+
+
+def _chunk_for(target: int) -> int:
+    """Chunk size of the state arrays for slices of about ``target`` bytes: a power of two,
+    about a quarter of the slice per array, so slices split parameters finely."""
+    chunk = MIN_CHUNK_BYTES
+    while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
+        chunk *= 2
+    return chunk

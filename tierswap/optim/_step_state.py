@@ -1,0 +1,53 @@
+"""What a SwapOptimizer knows about its steps, beside the arrays in the store."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+from tierswap.optim._slice_step import StepPlan
+
+__all__ = ["StepState"]
+
+
+@dataclasses.dataclass
+class StepState:
+    """The optimizer's step bookkeeping, owned by it and handed to the helpers that commit,
+    restore, load and snapshot (:mod:`tierswap.optim._state_dict`, ``_snapshot``).
+
+    ``small`` holds each slot's scalar state (``step`` counters, ...) by slot index; ``names``
+    the names of its per-element state tensors, which live in the store.
+    """
+
+    #: ``step()`` calls, counted across resumes.
+    steps: int = 0
+    small: defaultdict[int, dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    names: defaultdict[int, list[str]] = dataclasses.field(
+        default_factory=lambda: defaultdict(list)
+    )
+    #: Slices stepped in backward hooks during this step (``overlap="backward"``).
+    stepped: set[int] = dataclasses.field(default_factory=set)
+    #: The plan of a step under way (hooks and ``step()`` share it), else ``None``.
+    plan: StepPlan | None = None
+    #: A step raised halfway: the state is not a step's end, so it must not be committed.
+    failed: bool = False
+    #: Params without a master that the last step wrote to the store (with their slices).
+    params_written: set[int] = dataclasses.field(default_factory=set)
+    #: The state changed outside ``step()`` (a loaded state dict) since the last commit.
+    changed: bool = False
+
+    def holds_state(self) -> bool:
+        """Whether any slot has state (per-element or scalar)."""
+        return any(self.names.values()) or any(self.small.values())
+
+    def restore(
+        self, small: dict[int, dict[str, Any]], names: dict[int, list[str]], steps: int
+    ) -> None:
+        """Take the scalar state, state names and step count of a commit."""
+        self.small = defaultdict(dict, small)
+        self.names = defaultdict(list, names)
+        self.steps = steps
+        self.stepped.clear()
