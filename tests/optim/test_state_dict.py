@@ -116,6 +116,7 @@ def test_resume_with_mixed_precision_restores_masters(tmp_path) -> None:
     with SwapOptimizer(model.parameters(), **kwargs) as swap:
         for x in batches(2, dtype=torch.bfloat16):
             train_step(model, swap, x)
+        swap.commit()  # the masters of resident slices reach the store at commits
         masters = [swap._backend.read(s.master_key) for s in swap._layout.slots]
     _, other = make_models(seed=3, dtype=torch.bfloat16)
     with SwapOptimizer(other.parameters(), **kwargs, resume=True) as resumed:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -98,7 +97,7 @@ def test_each_state_byte_is_read_once_and_written_once_per_step(tmp_path) -> Non
             assert after["bytes_read"] - before["bytes_read"] == state
             assert after["bytes_written"] - before["bytes_written"] == state
         # a due commit adds the parameters' bytes once, written with their slices
-        swap._config = dataclasses.replace(swap._config, commit_every=1)
+        swap._commits.every = 1
         before = swap.tier_stats()["nvme"]
         _step(model, swap, xs[0])
         after = swap.tier_stats()["nvme"]
@@ -157,7 +156,7 @@ def test_device_copies_go_back_to_the_host_buffers(monkeypatch) -> None:
 
 def test_a_step_without_gradients_still_commits_when_due(tmp_path) -> None:
     model = Mixed()
-    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s") as swap:
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", commit_every=1) as swap:
         _step(model, swap, torch.randn(5, 96))
         swap.zero_grad()
         swap.step()  # no parameter has a gradient: nothing steps, the count and commit go on

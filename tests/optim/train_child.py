@@ -15,7 +15,8 @@ import torch
 from tests.optim.models import batch_for_step, make_models, train_step
 from tierswap.optim import SwapOptimizer
 
-CHILD_KWARGS = {"host_budget": 8192, "lr": 1e-2, "weight_decay": 0.05}
+# commit_every=1: a kill at any step finds the commit of the step before it
+CHILD_KWARGS = {"host_budget": 8192, "commit_every": 1, "lr": 1e-2, "weight_decay": 0.05}
 CHILD_LR_DECAY = 0.9
 MUON_LR = 0.02
 MUON_KWARGS = {**CHILD_KWARGS, "host_budget": 64 << 10}  # whole matrices and their temporaries

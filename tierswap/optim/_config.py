@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from tierswap.config import Size, parse_size
 from tierswap.engine.policies import EvictionPolicy
@@ -25,9 +25,11 @@ class SwapConfig:
     the same defaults (``tests/optim/test_convert.py`` holds them together).
 
     ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
-    ``device_budget=0`` turns the device tier off. ``commit_every=0`` commits only on
-    ``commit()`` and at ``close()``. ``state_precision`` and ``master`` choose the compact
-    formats of :mod:`tierswap.optim.formats` (``"fp32"``: exact, the default).
+    ``device_budget=0`` turns the device tier off. ``commit_every="auto"`` commits so that
+    commits take about a tenth of the training time (:mod:`tierswap.optim._commits`), ``N``
+    every N steps, ``0`` only on ``commit()`` and at ``close()``. ``state_precision`` and
+    ``master`` choose the compact formats of :mod:`tierswap.optim.formats` (``"fp32"``:
+    exact, the default).
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
@@ -35,7 +37,7 @@ class SwapConfig:
     device_budget: Size = 0
     policy: str | EvictionPolicy = "lookahead"
     durable: bool = True
-    commit_every: int = 1
+    commit_every: int | Literal["auto"] = "auto"
     resume: bool = False
     overlap: str | None = None
     accumulation_steps: int = 1
@@ -51,10 +53,11 @@ class SwapConfig:
         object.__setattr__(
             self, "device_budget", parse_size(self.device_budget, name="device_budget")
         )
-        if not isinstance(self.commit_every, int) or self.commit_every < 0:
+        every = self.commit_every
+        if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise ConfigError(
-                f"commit_every={self.commit_every!r} must be an int >= 0 (0: commit only on "
-                "commit()); try 1"
+                f"commit_every={every!r} must be 'auto' (commits take about a tenth of the "
+                "time) or an int >= 0 (every N steps; 0: only on commit() and close())"
             )
         if self.overlap not in _OVERLAPS:
             raise ConfigError(f"overlap={self.overlap!r} must be None, 'backward' or 'forward'")

@@ -14,11 +14,12 @@ stepping in slices is bitwise equal to stepping all at once.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -26,6 +27,7 @@ from tierswap.engine import EvictionPolicy
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
+from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
 from tierswap.optim._layout import Layout, plan_layout
@@ -75,10 +77,11 @@ class SwapOptimizer(torch.optim.Optimizer):
     durable:
         Passed to the store: ``False`` writes in place, faster but not crash-safe.
     commit_every:
-        Commit the swap folder atomically every this many steps (0: only on :meth:`commit`);
-        :meth:`close` commits the steps since the last commit. The default 1 costs little:
-        the parameters a commit needs are written with their slices, and chunk files are
-        recycled (see ``docs/optimizer.md``).
+        When the swap folder commits atomically (a restart point). ``"auto"`` (default):
+        whenever the time since the last commit reaches nine times what that commit cost, so
+        commits take about a tenth of the training time whatever stays resident; ``N``: every
+        N steps; ``0``: only on :meth:`commit`. :meth:`close` commits the steps since the
+        last commit.
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
@@ -121,7 +124,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         device_budget: int | str = 0,
         policy: str | EvictionPolicy = "lookahead",
         durable: bool = True,
-        commit_every: int = 1,
+        commit_every: int | Literal["auto"] = "auto",
         resume: bool = False,
         overlap: str | None = None,
         accumulation_steps: int = 1,
@@ -173,6 +176,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         super().__init__(inner.param_groups, inner.defaults)
         self._state = StepState()
         self.state = _state_dict.SwappedState(self._state)  # true when the swap space holds state
+        self._commits = CommitClock(config.commit_every)  # when a step ends with a commit
         self._requests = _snapshot.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
@@ -383,6 +387,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._state.small.update(plan.small_after)  # only now: hooks share small_before
         # Stepped params without a master were written with their slices when a commit is due.
         self._state.params_written = plan.live if plan is not None and plan.write_params else set()
+        self._commits.stepped()
         if due:
             self._commit()
 
@@ -488,8 +493,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
 
     def _commit_due(self) -> bool:
-        every = self._config.commit_every
-        return bool(every) and (self._state.steps + 1) % every == 0
+        """Whether the step under way (or about to start) ends with a commit."""
+        return self._commits.due(self._state.steps + 1)
 
     def _job(self, piece: Slice) -> Job:
         """The pipeline job of ``piece``: its reads, bytes and residency."""
@@ -530,11 +535,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         return self._commit()
 
     def _commit(self) -> int:
+        started = time.monotonic()
         self._adopt_direct_state()
-        return _state_dict.commit(
+        generation = _state_dict.commit(
             self._backend, self._layout, self._state, groups=self.param_groups,
             config=self._config, optimizer_name=type(self._inner).__name__,
         )  # fmt: skip
+        self._commits.committed(time.monotonic() - started)
+        return generation
 
     def _adopt_direct_state(self) -> None:
         """Move state written straight into ``self.state`` (as ``ZeroRedundancyOptimizer.

@@ -1,0 +1,99 @@
+"""When commits happen: every N steps, or "auto" (a bounded share of the time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierswap.errors import ConfigError
+from tierswap.optim import SwapOptimizer
+from tierswap.optim._commits import AUTO_SHARE, CommitClock
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _train(
+    clock: CommitClock, time: FakeTime, steps: int, step_s: float, commit_s: float,
+    *, param_write_s: float = 0.0,
+) -> list[int]:  # fmt: skip
+    """Steps of ``step_s`` seconds; a due step also writes the params (``param_write_s``) and
+    then commits (``commit_s``). Returns the steps that committed."""
+    committed = []
+    for step in range(1, steps + 1):
+        due = clock.due(step)
+        assert clock.due(step) is due  # asked again (hooks, then step()): the same answer
+        time.now += step_s + (param_write_s if due else 0.0)
+        clock.stepped()
+        if due:
+            time.now += commit_s
+            clock.committed(commit_s)
+            committed.append(step)
+    return committed
+
+
+def test_every_n_steps_and_never() -> None:
+    time = FakeTime()
+    assert _train(CommitClock(3, time), time, 10, 1.0, 5.0) == [3, 6, 9]
+    assert _train(CommitClock(0, time), time, 10, 1.0, 5.0) == []
+
+
+@pytest.mark.parametrize(("step_s", "commit_s"), [(1.0, 0.01), (1.0, 0.5), (0.2, 3.0)])
+def test_auto_keeps_commits_to_their_share_of_the_time(step_s, commit_s) -> None:
+    time = FakeTime()
+    committed = _train(CommitClock("auto", time), time, 400, step_s, commit_s)
+    assert committed[0] == 1  # nothing measured yet: the first step commits
+    spent = len(committed) * commit_s
+    assert spent <= AUTO_SHARE * time.now * 1.1  # never much more than the share
+    # and not much less either: the commits are as frequent as the share allows
+    interval = commit_s * (1 / AUTO_SHARE - 1)
+    assert len(committed) >= 0.8 * time.now / (interval + step_s + commit_s)
+
+
+def test_auto_counts_the_params_a_due_step_writes() -> None:
+    """The step before a commit writes the parameters: that time is part of the commit's."""
+    time = FakeTime()
+    committed = _train(CommitClock("auto", time), time, 400, 1.0, 0.1, param_write_s=0.9)
+    spent = len(committed) * (0.1 + 0.9)
+    assert spent <= AUTO_SHARE * time.now * 1.1
+    assert len(committed) > 10
+
+
+def test_an_explicit_commit_restarts_the_interval() -> None:
+    time = FakeTime()
+    clock = CommitClock("auto", time)
+    _train(clock, time, 1, 1.0, 1.0)  # the first step commits: a commit costs 1 s
+    time.now += 8.5
+    clock.committed(1.0)  # commit() by hand
+    time.now += 8.5
+    assert not clock.due(2)  # 8.5 s since the last commit: below 9 x 1 s
+    time.now += 1.0
+    assert not clock.due(2)  # decided once per step
+    assert clock.due(3)
+
+
+@pytest.mark.parametrize("every", [-1, 1.5, "sometimes", True])
+def test_bad_commit_every_is_a_config_error(every, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="commit_every"):
+        SwapOptimizer([torch.nn.Parameter(torch.zeros(4))], swap_dir=tmp_path, commit_every=every)
+
+
+def test_auto_is_the_default_and_close_commits_what_is_left(tmp_path) -> None:
+    model = torch.nn.Linear(8, 8)
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", lr=0.1) as opt:
+        assert opt._commits.every == "auto"
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        expected = [p.detach().clone() for p in model.parameters()]
+    again = torch.nn.Linear(8, 8)
+    with SwapOptimizer(again.parameters(), swap_dir=tmp_path / "s", lr=0.1, resume=True) as opt:
+        assert opt.steps == 3
+        for a, b in zip(again.parameters(), expected, strict=True):
+            assert torch.equal(a, b)

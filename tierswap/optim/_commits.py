@@ -1,0 +1,79 @@
+"""When a SwapOptimizer commits: every N steps, or ``"auto"``, a bounded share of the time.
+
+A commit makes the folder a restart point: it writes what the steps since the last commit left
+only in memory (resident slices, scalars, the fp32 copy of parameters without a master) and
+syncs. What that costs depends on the placement: next to nothing when every slice streams (the
+streamed slices were written anyway), the whole resident state when it all stays in RAM. So a
+fixed ``commit_every`` is either too rare for a streamed run or too costly for a resident one.
+
+``"auto"`` (the default) commits when the time since the last commit reaches
+``(1 / AUTO_SHARE - 1)`` times what the last commit cost, so commits take about
+``AUTO_SHARE`` of the training time at most, whatever the placement. A crash then loses the
+steps of about ``1 / AUTO_SHARE`` commit durations: for a streamed run that is every step or
+two, for a 10 GB resident state on a 1 GB/s disk about a minute and a half.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["AUTO_SHARE", "CommitClock"]
+
+#: The share of training time that ``commit_every="auto"`` lets commits take.
+AUTO_SHARE = 0.1
+
+
+class CommitClock:
+    """Decides, once per step, whether a step ends with a commit.
+
+    ``every``: commit every that many steps (``0``: never by itself), or ``"auto"``. What a
+    commit costs is measured as the commit's own time plus what its step took beyond the last
+    step without one (the step before a commit also writes the parameters the commit needs).
+    ``clock`` is the time source (seconds), replaceable in tests.
+    """
+
+    def __init__(self, every: int | str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self._clock = clock
+        self._decided: tuple[int, bool] | None = None  # (step, due) of the step under way
+        self._started = 0.0  # when the step under way was decided
+        self._last_commit = clock()  # when the last commit ended (or the run started)
+        self._cost: float | None = None  # seconds the last commit cost; None: none yet
+        self._plain: float | None = None  # seconds of the last step without a commit
+        self._due_step: float | None = None  # seconds of the last step with a commit
+
+    def due(self, step: int) -> bool:
+        """Whether step number ``step`` (1-based) ends with a commit; asked again for the same
+        step, the same answer (hooks and ``step()`` both ask)."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        now = self._clock()
+        if isinstance(self.every, int):
+            due = bool(self.every) and step % self.every == 0
+        elif self._cost is None:
+            due = True  # nothing measured yet
+        else:  # the time the commit would end, had the step the length of the last one
+            elapsed = now - self._last_commit + (self._plain or 0.0)
+            due = elapsed * AUTO_SHARE >= self._cost * (1 - AUTO_SHARE)
+        self._decided, self._started = (step, due), now
+        return due
+
+    def stepped(self) -> None:
+        """The slices of the step under way are done (its commit, if due, comes next)."""
+        if self._decided is None:
+            return
+        seconds = self._clock() - self._started
+        if self._decided[1]:
+            self._due_step = seconds
+        else:
+            self._plain = seconds
+
+    def committed(self, seconds: float) -> None:
+        """A commit (due, or asked for) took ``seconds``; the interval starts again now."""
+        extra = 0.0
+        if self._due_step is not None and self._plain is not None:
+            extra = max(self._due_step - self._plain, 0.0)
+        self._cost = seconds + extra
+        self._due_step = None
+        self._last_commit = self._clock()
