@@ -66,11 +66,13 @@ CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 #: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
 MODES: dict[str, dict[str, Any]] = {
     "default": {},
+    "every1": {"commit_every": 1},
     "backward": {"overlap": "backward"},
     "nocommit": {"commit_every": 0},
     "nocommit-backward": {"commit_every": 0, "overlap": "backward"},
     "forward": {"overlap": "forward"},
     "forward-commit10": {"overlap": "forward", "commit_every": 10},
+    "forward-every1": {"overlap": "forward", "commit_every": 1},
     "bf16": {"state_precision": "bf16"},
     "8bit": {"state_precision": "8bit"},
     "forward-8bit": {"overlap": "forward", "state_precision": "8bit"},

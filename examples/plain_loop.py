@@ -43,7 +43,7 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()  # commits the swap folder (commit_every=1)
+            opt.step()  # commits the swap folder when due (commit_every="auto")
             sched.step()
             print(f"step {opt.steps:4d}  loss {loss.item():.4f}")
         print("tier stats:", opt.tier_stats())
