@@ -1,6 +1,7 @@
 """Benchmark: what memory buys. Disk bytes per step and iteration time against the tiers' budgets.
 
-    python bench/residency.py [--width 4096 --depth 6] [--commit-every 10] [--png F] [--json F]
+    python bench/residency.py [--commit-every 10|auto] [--overlap forward] [--fractions 0,0.5,1]
+                              [--width 4096 --depth 6] [--png F] [--json F]
 
 The e2e model of ``bench/e2e.py`` (100.7M fp32 parameters, AdamW state 806 MB) trains with its
 state swapped, at host budgets from 0 to 100% of the state, and at a device + host split (25%
@@ -43,6 +44,8 @@ def _run(args: argparse.Namespace, folder: Path, host: int, device: int) -> dict
     """One tierswap configuration, as a mode of the e2e bench, in its own process."""
     name = f"residency-{host}-{device}"
     e2e.MODES[name] = {"commit_every": args.commit_every, "device_budget": device}
+    if args.overlap:
+        e2e.MODES[name]["overlap"] = args.overlap
     run = argparse.Namespace(**vars(args), host_budget=max(host, 1 << 20))
     result = e2e._spawn(run, name, folder / name)
     if "error" in result:
@@ -53,7 +56,7 @@ def _run(args: argparse.Namespace, folder: Path, host: int, device: int) -> dict
 def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     state = e2e._state_bytes(args.width, args.depth)
     ram = [e2e._spawn(args, "ram", folder / "ram-0")]
-    points = [_run(args, folder, int(f * state), 0) for f in FRACTIONS]
+    points = [_run(args, folder, int(f * state), 0) for f in args.fractions]
     split = _run(args, folder, state // 4, state // 4)
     ram.append(e2e._spawn(args, "ram", folder / "ram-1"))
     ram_s = statistics.median(t for r in ram for t in r["times"][1:])
@@ -101,7 +104,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     time_ax.set_xlabel("host budget, % of the state")
     time_ax.set_ylabel("iteration speed vs in-RAM")
     time_ax.legend()
-    fig.suptitle(f"tierswap residency, commit_every={report['commit_every']}")
+    overlap = f", overlap={report['overlap']}" if report.get("overlap") else ""
+    fig.suptitle(f"tierswap residency, commit_every={report['commit_every']}{overlap}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -111,7 +115,15 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument(
+        "--commit-every", type=lambda v: v if v == "auto" else int(v), default=10,
+        help="an int, or auto (the default of SwapOptimizer)",
+    )  # fmt: skip
+    p.add_argument("--overlap", choices=["backward", "forward"], default=None)
+    p.add_argument(
+        "--fractions", type=lambda v: [float(f) for f in v.split(",")], default=list(FRACTIONS),
+        help="host budgets, as fractions of the state (comma-separated)",
+    )  # fmt: skip
     p.add_argument("--model", choices=["mlp"], default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
@@ -119,7 +131,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        report = {**measure(args, Path(tmp)), "commit_every": args.commit_every}
+        report = {
+            **measure(args, Path(tmp)), "commit_every": args.commit_every, "overlap": args.overlap,
+        }  # fmt: skip
     print_table(report)
     if args.png:
         plot(report, args.png)
