@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierswap._lifetime import close_at_exit
+from tierswap.engine import Transfers
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region, write_regions
 from tierswap.tiers import DEVICE, HOST, NVME
@@ -67,6 +68,9 @@ class StateBackend:
         Chunk size of new arrays: slices split parameters at multiples of it.
     device_budget, device:
         Bytes of the device tier (slices resident there) and where its tensors live.
+    transfers, work_on_device:
+        How slices move between host and device, and whether they step there
+        (see :class:`~tierswap.pipeline.Pipeline`).
     """
 
     def __init__(
@@ -79,6 +83,8 @@ class StateBackend:
         chunk_bytes: int,
         device_budget: int = 0,
         device: torch.device | None = None,
+        transfers: Transfers | None = None,
+        work_on_device: bool = False,
     ) -> None:
         self.folders, temporary = resolve_swap_dir(swap_dir)
         self.path = self.folders[0]  # the home
@@ -93,7 +99,14 @@ class StateBackend:
             if self._cleanup is not None:
                 self._cleanup()
             raise
-        self.pipeline = Pipeline(self.store, budget, device_budget=device_budget, device=device)
+        self.pipeline = Pipeline(
+            self.store,
+            budget,
+            device_budget=device_budget,
+            device=device,
+            transfers=transfers,
+            work_on_device=work_on_device,
+        )
         self.known: set[str] = set(self.store.keys()) if resume else set()
         self.closed = False
         close_at_exit(self)

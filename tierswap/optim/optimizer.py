@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import torch
 
-from tierswap.engine import EvictionPolicy, make_policy, place
+from tierswap.engine import EvictionPolicy, make_policy, place, transfers_for
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
@@ -55,6 +55,9 @@ MAX_SLICE_BYTES = 64 << 20
 #: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
 #: stepping, one or two being written back.
 STREAM_SLICES = 4
+#: Streamed slices on the device at once when the step runs there, reserved beside the slices
+#: resident in the device tier: one copying in while one steps and one copies back.
+DEVICE_STREAM_SLICES = 3
 #: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
 #: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
 STREAM_FLOOR = 32 << 20
@@ -211,6 +214,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
+        # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
+        # recording stand-in here to check the GPU path's ordering without a GPU.
+        self._transfers = transfers_for(self.compute_device)
         for group in self.param_groups:
             self._add_slots(group)
         self._chunk_bytes = self._plan()
@@ -224,6 +230,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             chunk_bytes=self._chunk_bytes,
             device_budget=config.device_bytes,
             device=self.compute_device,
+            transfers=self._transfers,
+            work_on_device=self.tier == DEVICE,
         )
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
@@ -317,7 +325,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             )
             self._slices = plan_slices(self._slots[::-1], target, chunk)
         check_budget(self._slices, self.host_budget, "host_budget")
-        if self.compute_device.type != "cpu":  # streamed slices step on the device
+        if self._transfers.moves:  # streamed slices step on the device
             check_budget(self._slices, self._config.device_bytes, "device_budget")
         self._placement = self._place(stream)
         self._slices_of: dict[int, list[Slice]] = defaultdict(list)
@@ -332,8 +340,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         step's schedule (slice indices; absent: streamed)."""
         largest = max((piece.working_set for piece in self._slices), default=0)
         capacities: dict[str, int] = {DEVICE: self._config.device_bytes}
-        if self.compute_device.type != "cpu":  # streamed slices pass through the device
-            capacities[DEVICE] = max(capacities[DEVICE] - 2 * largest, 0)
+        if self._transfers.moves:  # streamed slices pass through the device
+            capacities[DEVICE] = max(capacities[DEVICE] - DEVICE_STREAM_SLICES * largest, 0)
         capacities[HOST] = self.host_budget - max(stream, STREAM_SLICES * largest if stream else 0)
         policy = self._config.policy
         policies = {
@@ -547,7 +555,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             state_names=self._state_names,
             small_before=self._small,
             write_params=self._commit_due(),
-            compute_device=self.compute_device,
             create=self._backend.create,
         )
 
