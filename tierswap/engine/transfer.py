@@ -203,6 +203,12 @@ class CudaTransfers:
         self._download = torch.cuda.Stream(device=self.device)
         self._waiter = _EventWaiter(f"tierswap-cuda{index}-events")
 
+    @property
+    def streams(self) -> tuple[Any, Any]:
+        """The upload and download side streams (for profiling: events recorded on them time
+        the copies)."""
+        return self._upload, self._download
+
     def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
         with torch.cuda.stream(self._upload):
             device_tensor = torch.empty_like(host_tensor, device=self.device)
