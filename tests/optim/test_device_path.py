@@ -21,6 +21,7 @@ from tests.engine.recording import (
     writes_after_landing,
 )
 from tests.optim.models import assert_same_params, assert_same_state
+from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer, optimizer
 from tierswap.store import SwapStore
 
@@ -201,3 +202,11 @@ def test_master_weights_step_on_the_device_copies(recorder, tmp_path) -> None:
     assert writes_after_landing(recorder.log) == []
     # masters are the step's targets: each step waited for its master's copy
     assert recorder.kinds().count("wait") >= 3 * len(opt.slices)
+
+
+def test_a_device_budget_below_a_slice_is_refused_when_slices_step_there(recorder) -> None:
+    """Streamed slices pass through the device: its budget must hold one (checked on a GPU by
+    tests/optim/test_errors.py; here through the stand-in)."""
+    model = torch.nn.Linear(128, 64)
+    with pytest.raises(ConfigError, match="device_budget"):
+        SwapOptimizer(model.parameters(), host_budget="1MiB", device_budget="1KiB")
