@@ -18,6 +18,13 @@ status is non-zero when any check fails. Checks:
      iteration with overlap="forward" (the step runs into the next forward) against the
      default, both bitwise equal to torch, with CUDA-event timings of forward, backward, step.
   7. device memory: peak allocated <= model + grads + activations + device budget + 10%.
+  8. copy/step overlap: slices streamed through the device (device + host + NVMe): each
+     slice's host-to-device copy (side stream) and step (compute stream) timed with CUDA events
+     on one timeline: the copies overlap the steps (seconds both ran, copies that ran during a
+     step), and the result is bitwise equal to torch's CUDA AdamW.
+
+On --device cpu (a dry run) the same checks run their code paths on the CPU; timings are
+wall clock and the overlap figures are not measured.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tierswap as ts
-from tierswap.engine import allocate
+from tierswap.engine import CudaTransfers, ToDevice, allocate
+from tierswap.optim import optimizer as optimizer_module
 
 RESULTS: dict[str, dict] = {}
 DEVICE = "cuda"  # --device cpu runs the same code paths without a GPU (a dry run of the script)
@@ -312,6 +320,118 @@ def check_device_memory(folder: Path, steps: int) -> None:
            device_budget=device_budget)  # fmt: skip
 
 
+class _TimedTransfers(CudaTransfers):
+    """CUDA's transfer layer with an event pair around each host-to-device copy on its upload
+    stream, so that copies and steps can be laid on one GPU timeline."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.copies: list[tuple[object, object]] = []
+
+    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+        upload, _ = self.streams
+        begin = upload.record_event(torch.cuda.Event(enable_timing=True))
+        copy = super().to_device(host_tensor)
+        self.copies.append((begin, upload.record_event(torch.cuda.Event(enable_timing=True))))
+        return copy
+
+
+def _timed_adamw(spans: list) -> type:
+    """AdamW that records an event pair on the compute stream around each step it runs (once
+    ``spans`` holds a start marker: the probes at construction are left out)."""
+
+    class TimedAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            if DEVICE != "cuda" or not spans:
+                return super().step(closure)
+            begin = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+            loss = super().step(closure)
+            end = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+            spans.append((begin, end))
+            return loss
+
+    return TimedAdamW
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by both sets of intervals."""
+    return sum(
+        max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in _merged(a) for y0, y1 in _merged(b)
+    )
+
+
+def _timeline(start, pairs) -> list[tuple[float, float]]:
+    return [(start.elapsed_time(b), start.elapsed_time(e)) for b, e in pairs]
+
+
+def _copy_step_figures(start, copies, steps) -> dict[str, object]:
+    """Copy and step seconds on the GPU, the time both ran, and how many copies ran (in part)
+    while a step ran."""
+    copy_ms, step_ms = _timeline(start, copies), _timeline(start, steps)
+    during = sum(1 for c in copy_ms if _overlap([c], step_ms) > 0)
+    return {
+        "copies": len(copy_ms),
+        "steps": len(step_ms),
+        "copy_s": round(sum(hi - lo for lo, hi in copy_ms) / 1000, 4),
+        "step_s": round(sum(hi - lo for lo, hi in step_ms) / 1000, 4),
+        "overlap_s": round(_overlap(copy_ms, step_ms) / 1000, 4),
+        "copies_during_a_step": during,
+    }
+
+
+def check_copy_overlap(folder: Path, steps: int) -> None:
+    """Streamed slices: copies in on the side stream overlap the steps; bitwise with torch."""
+    plain_model = make_model(width=2048, depth=8)  # ~34M params: ~270 MB of AdamW state
+    swap_model = copy.deepcopy(plain_model)
+    state = 8 * sum(p.numel() for p in plain_model.parameters())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    spans: list = []
+    timed = _TimedTransfers(torch.device("cuda")) if DEVICE == "cuda" else None
+    original = optimizer_module.transfers_for
+    if timed is not None:
+        optimizer_module.transfers_for = lambda device: timed
+    try:
+        opt = ts.SwapOptimizer(swap_model.parameters(), _timed_adamw(spans), lr=1e-3,
+                               swap_dir=folder / "copy-overlap", host_budget=state // 4,
+                               device_budget=state // 4, durable=False, commit_every=0)  # fmt: skip
+    finally:
+        optimizer_module.transfers_for = original
+    with opt:
+        for index, x in enumerate(batches(steps, width=2048)):
+            if index == 1 and DEVICE == "cuda":  # time the steps after the first (state made)
+                sync()
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                spans.append((start, start))
+                timed.copies.clear()
+            for model, o in ((plain_model, plain), (swap_model, opt)):
+                o.zero_grad()
+                loss_of(model, x).backward()
+                o.step()
+        opt.synchronize()
+        sync()
+        ok = same(plain_model.parameters(), swap_model.parameters())
+        ok = ok and same_state(plain.state_dict(), opt.state_dict())
+        placed = set(opt.placement.values())
+        streamed = len(opt.slices) - len(opt.placement)
+        figures: dict[str, object] = {"slices": len(opt.slices), "streamed": streamed,
+                                      "resident": sorted(placed)}  # fmt: skip
+        if DEVICE == "cuda":
+            figures.update(_copy_step_figures(spans[0][0], timed.copies, spans[1:]))
+            ok = ok and figures["copies"] > 0 and figures["overlap_s"] > 0
+        record("copy/step overlap, streamed slices bitwise", ok and streamed > 0, **figures)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="folder on the NVMe to swap to")
@@ -335,6 +455,7 @@ def main() -> int:
         lambda: check_bitwise_host_step(folder, args.steps),
         lambda: check_mixed_precision(folder, args.steps),
         lambda: check_overlap(folder, args.steps),
+        lambda: check_copy_overlap(folder, args.steps),
     ]
     if DEVICE == "cuda":
         checks += [lambda: check_pinned(folder), lambda: check_device_memory(folder, args.steps)]

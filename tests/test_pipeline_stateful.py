@@ -3,7 +3,9 @@
 Passes over random jobs (streamed, or resident in the device or host tier), prefetches,
 releases, flushes and evictions, with reads and writes delayed or failing at random, must keep
 the ledgers within their budgets at every step and leave the store holding what the model says
-once a flush has run.
+once a flush has run. A second machine runs the same rules with the work on the device: the
+recording stand-in of the transfer layer copies every job in and out late, and no work may
+use a copy before waiting for it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.engine.recording import RecordingTransfers, ptrs_of, steps_after_their_copies
 from tierswap import SwapStore
 from tierswap.errors import BudgetError
 from tierswap.pipeline import Job, Pipeline, Region
@@ -85,8 +88,11 @@ def _job(index: int, tier: str | None) -> Job:
 
 
 class PipelineMachine(RuleBasedStateMachine):
+    ON_DEVICE = False  # the work gets device copies (through the recording stand-in)
+
     def __init__(self) -> None:
         super().__init__()
+        self.transfers = RecordingTransfers(delay=0.0005) if self.ON_DEVICE else None
         self.dir = Path(tempfile.mkdtemp(prefix="tierswap-pipe-sm-"))
         self.inner = SwapStore(self.dir / "s", mode="w", durable=False, chunk_bytes=CHUNK)
         self.model = {key: torch.arange(NUMEL, dtype=torch.float32) * (i + 1) for i, key in
@@ -110,7 +116,12 @@ class PipelineMachine(RuleBasedStateMachine):
                 tiers[i] = "host" if allowed > 0 else None
                 allowed -= 1
         self.pipeline = Pipeline(
-            self.store, budget=host_jobs * JOB_BYTES, device_budget=device_jobs * JOB_BYTES
+            self.store,
+            budget=host_jobs * JOB_BYTES,
+            # on the device, room for the work of one streamed job beside the resident ones
+            device_budget=(device_jobs + self.ON_DEVICE) * JOB_BYTES,
+            transfers=self.transfers,
+            work_on_device=self.ON_DEVICE,
         )
         self.jobs = [_job(i, tier) for i, tier in enumerate(tiers)]
 
@@ -120,6 +131,8 @@ class PipelineMachine(RuleBasedStateMachine):
                                     unique_by=lambda j: j.name))  # fmt: skip
 
         def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+            if self.transfers is not None:
+                self.transfers.note("step", ptrs_of(tensors.values()))
             for region, tensor in tensors.items():
                 tensor.add_(step)
                 self.model[region.key][region.start : region.stop] += step
@@ -187,6 +200,9 @@ class PipelineMachine(RuleBasedStateMachine):
             pass
         self.inner.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.transfers is not None:
+            self.transfers.close()
+            assert steps_after_their_copies(self.transfers.log) == []
 
 
 PipelineMachine.TestCase.settings = settings(
@@ -196,3 +212,11 @@ PipelineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPipelineMachine = PipelineMachine.TestCase
+
+
+class DeviceWorkMachine(PipelineMachine):
+    ON_DEVICE = True
+
+
+DeviceWorkMachine.TestCase.settings = PipelineMachine.TestCase.settings
+TestDeviceWorkMachine = DeviceWorkMachine.TestCase

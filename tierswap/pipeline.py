@@ -17,10 +17,20 @@ in that tier's budget, until :meth:`Pipeline.flush` writes them. Which jobs stay
 eviction policy's choice on the cyclic schedule (:func:`tierswap.engine.place`): Belady keeps a
 fixed set and streams the rest, since the job just finished is the one used furthest ahead.
 
-The budgets, buffers and policies are the engine's (:mod:`tierswap.engine`): one
+The budgets, buffers, transfers and policies are the engine's (:mod:`tierswap.engine`): one
 :class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
 holds at every moment, and one :class:`~tierswap.engine.BufferPool` per tier; idle pooled
 buffers count against the room left, so buffers in use plus idle never exceed a budget.
+
+**Work on the device** (``work_on_device=True`` with a transfer layer that moves bytes, e.g. a
+GPU): the work gets each job's tensors on the device and returns device tensors. A job's
+host-to-device copy (:meth:`~tierswap.engine.Transfers.to_device`, on a side stream) is issued
+before the work of the job ahead of it starts, when its read is in by then (else when the job
+is acquired), so it overlaps that work; the work's stream waits for the copy's event. The
+results are copied back with :meth:`~tierswap.engine.Transfers.to_host` after the work's event,
+and the write-behind hands them to the store only when that copy has landed, on the thread that
+completes it: the caller's thread never waits for the device. Streamed jobs in flight on the
+device count in the device ledger (the job's ``nbytes``) until their results have landed.
 
 Thread safety: ``prefetch``, ``run``, ``flush``, ``drain`` and ``release`` are called from one
 thread at a time (the caller's); I/O completions arrive on the store's threads and only touch
@@ -39,7 +49,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tierswap.config import Size, parse_size
-from tierswap.engine import BufferPool, Ledger, TierStats
+from tierswap.engine import (
+    BufferPool,
+    DeviceStaging,
+    Ledger,
+    Staged,
+    TierStats,
+    Transfers,
+    transfers_for,
+)
 from tierswap.errors import BudgetError, ConfigError
 from tierswap.io import gather
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -129,6 +147,14 @@ class Pipeline:
         tier is an ordinary CPU-memory tier with its own budget.
     device:
         Where device-tier tensors live (default: the CPU).
+    transfers:
+        How tensors move between host and ``device`` (default:
+        :func:`~tierswap.engine.transfers_for` ``(device)``); a stand-in with the same interface
+        may record the order of copies, events and steps.
+    work_on_device:
+        Hand the work every job's tensors on the device and copy its results back (see above).
+        Streamed jobs then pass through the device tier: ``device_budget`` must hold at least
+        one job beside the resident ones, and one or two more let the copies overlap the work.
     """
 
     def __init__(
@@ -138,6 +164,8 @@ class Pipeline:
         *,
         device_budget: Size = 0,
         device: torch.device | None = None,
+        transfers: Transfers | None = None,
+        work_on_device: bool = False,
     ) -> None:
         self._store = store
         self.budget = parse_size(budget, name="budget")
@@ -147,10 +175,19 @@ class Pipeline:
             HOST: Ledger(HOST, self.budget, self._cv),
         }
         self._device = device if device is not None else torch.device("cpu")
+        self._transfers = transfers if transfers is not None else transfers_for(self._device)
+        self._staging: DeviceStaging[Region] | None = (
+            DeviceStaging(self._transfers, self._ledgers[DEVICE])
+            if work_on_device and self._transfers.moves
+            else None
+        )  # None: the work gets host tensors (or resident device ones), as they are
         self._reading: dict[Hashable, _Reading] = {}
         self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
         self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
         self._writes: list[Future[Any]] = []
+        # write-behinds waiting for their copies back from the device: their regions, by the
+        # future of the moment they are handed to the store
+        self._unsent: dict[Future[None], tuple[Region, ...]] = {}
         self._errors: list[BaseException] = []
         self._pool = BufferPool()
         self._dtypes: dict[str, torch.dtype] = {}
@@ -161,7 +198,7 @@ class Pipeline:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks."""
         host = self._ledgers[HOST]
         for job in jobs:
-            if job.name in self._reading or job.name in self._resident:
+            if job.name in self._reading or job.name in self._resident or self._unsent_to(job):
                 continue
             with self._cv:
                 self._pool.trim(max(host.free - job.nbytes, 0))
@@ -174,18 +211,28 @@ class Pipeline:
 
         Returns once the last job's work is done; its writes may still be in flight
         (:meth:`drain` waits for them). A failed write-behind is raised here or by ``drain``.
+        With ``work_on_device``, the next job's copy to the device is issued before this job's
+        work starts, so that it runs while this job works.
         """
         for position, job in enumerate(jobs):
             self._raise_write_errors()
             tensors = self._acquire(job)
             self.prefetch(jobs[position + 1 :])
             try:
-                writes = work(job, tensors)
+                staged = self._staged_for(job, tensors)
             except BaseException:
-                if job.name not in self._resident:  # a resident job keeps its tensors
+                if job.name not in self._resident:
                     self._give_back(job, tensors)
                 raise
-            self._finish(job, tensors, writes)
+            if position + 1 < len(jobs):
+                self._stage_ahead(jobs[position + 1])
+            try:
+                inputs = self._ready(staged, tensors)
+                writes = work(job, inputs)
+            except BaseException:
+                self._abandon(job, tensors, staged)
+                raise
+            self._finish(job, tensors, staged, writes)
             self.prefetch(jobs[position + 1 :])
 
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
@@ -199,6 +246,8 @@ class Pipeline:
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
             self._drop_reading(job.name)
         if job.name not in self._reading:
+            for handed in self._unsent_to(job):  # read what the store will hold, not before
+                handed.exception()
             self._wait_for_room(job.nbytes)
             self._start_reads(job)
         reading = self._reading.pop(job.name)
@@ -216,53 +265,200 @@ class Pipeline:
         return reading.tensors
 
     def _finish(
-        self, job: Job, tensors: dict[Region, torch.Tensor], writes: dict[Region, torch.Tensor]
+        self,
+        job: Job,
+        tensors: dict[Region, torch.Tensor],
+        staged: Staged[Region] | None,
+        writes: dict[Region, torch.Tensor],
     ) -> None:
-        """Keep a resident job's tensors, or write the job back and free it when done."""
+        """Keep a resident job's results, or write the job back and free it when done."""
         if job.name in self._resident:
-            self._resident[job.name].update(writes)
+            if self._resident_in[job.name][0] == DEVICE:
+                self._resident[job.name].update(writes)
+            else:
+                self._land(job.name, self._resident[job.name], staged, writes)
             return
-        if job.tier is not None and self._keep(job, {**tensors, **writes}):
+        if job.tier is not None and self._keep(job, tensors, staged, writes):
             return
+        host_writes, landed = self._copy_out(tensors, staged, writes)
         try:
-            done = write_regions(self._store, writes)
+            done = self._write_when(landed, host_writes)
         except BaseException:
             self._give_back(job, tensors)
             raise
         with self._cv:
             self._writes.append(done)
-            self._ledgers[HOST].bytes_out += _nbytes(writes)
+            self._ledgers[HOST].bytes_out += _nbytes(host_writes)
         done.add_done_callback(lambda f: self._written(job, tensors, f))
 
-    def _keep(self, job: Job, tensors: dict[Region, torch.Tensor]) -> bool:
+    def _write_when(self, landed: Future[Any], writes: dict[Region, torch.Tensor]) -> Future[Any]:
+        """Start writing ``writes`` once ``landed`` completes: at once when it has (a failure
+        to start then raises here), else on the thread that completes it, so the wait for a
+        copy back from the device never happens on the caller's thread."""
+        if landed.done():
+            landed.result()
+            return write_regions(self._store, writes)
+        done: Future[Any] = Future()
+        handed: Future[None] = Future()  # the writes are the store's: it orders reads after them
+        with self._cv:
+            self._unsent[handed] = tuple(writes)
+
+        def start(copied: Future[Any]) -> None:
+            try:
+                copied.result()
+                written = write_regions(self._store, writes)
+            except BaseException as exc:
+                done.set_exception(exc)
+                return
+            finally:
+                with self._cv:
+                    del self._unsent[handed]
+                handed.set_result(None)
+            written.add_done_callback(lambda w: _settle(done, w))
+
+        landed.add_done_callback(start)
+        return done
+
+    def _unsent_to(self, job: Job) -> list[Future[None]]:
+        """Hand-overs to the store still to come of writes that overlap ``job``'s reads (a
+        read started before would read the bytes those writes replace)."""
+        with self._cv:
+            return [
+                handed
+                for handed, regions in self._unsent.items()
+                if any(_overlap(a, b) for a in regions for b in job.reads)
+            ]
+
+    def _land(
+        self,
+        name: Hashable,
+        resident: dict[Region, torch.Tensor],
+        staged: Staged[Region] | None,
+        writes: dict[Region, torch.Tensor],
+    ) -> None:
+        """Copy a host-resident job's results into its tensors (when they are not already
+        there); the next use of the job waits until they have landed."""
+        host, landed = self._copy_out(resident, staged, writes)
+        resident.update(host)
+        if self._staging is not None:
+            self._staging.land(name, landed)
+        else:
+            landed.result()  # copied at once: nothing moves
+
+    def _abandon(
+        self, job: Job, tensors: dict[Region, torch.Tensor], staged: Staged[Region] | None
+    ) -> None:
+        """Undo a job whose work failed: its device copies go, and a streamed job's host
+        buffers go back once no copy reads them (a resident job keeps its tensors)."""
+        if staged is not None and self._staging is not None:
+            self._staging.abandon(staged)
+        if job.name not in self._resident:
+            self._give_back(job, tensors)
+
+    def _keep(
+        self,
+        job: Job,
+        tensors: dict[Region, torch.Tensor],
+        staged: Staged[Region] | None,
+        writes: dict[Region, torch.Tensor],
+    ) -> bool:
         """Make ``job`` resident in its tier after its first pass; ``False`` when that tier
         has no room for it (it then streams, as any other job)."""
         assert job.tier is not None
         if job.tier == HOST:
             self._resident[job.name] = tensors
             self._resident_in[job.name] = (HOST, job.nbytes)  # its reserved bytes stay
+            self._land(job.name, tensors, staged, writes)
             return True
         device = self._ledgers[DEVICE]
+        if staged is not None:  # on the device already, its bytes reserved there: they stay
+            with self._cv:  # if the device still has room for the work of one more job
+                if device.free < job.nbytes:
+                    return False
+            kept = {region: copy.device_tensor for region, copy in staged.copies.items()}
+            self._hold_on_device(job, {**kept, **writes})  # its bytes_in counted when staged
+            staged.read.add_done_callback(lambda _: self._give_back(job, tensors))
+            return True
         if not device.try_reserve(job.nbytes):
             return False
-        kept = {region: self._to_device(tensor) for region, tensor in tensors.items()}
-        self._resident[job.name] = kept
-        self._resident_in[job.name] = (DEVICE, job.nbytes)
+        merged = {**tensors, **writes}
         with self._cv:
-            device.bytes_in += _nbytes(kept)
-            self._ledgers[HOST].bytes_out += _nbytes(kept)
-        if self._device.type != "cpu":  # copied: the host buffers go back to the pool
-            self._give_back(job, tensors)
-        else:  # a CPU device tier keeps the same buffers: they leave the host's books
-            with self._cv:
+            device.bytes_in += _nbytes(merged)
+            self._ledgers[HOST].bytes_out += _nbytes(merged)
+        if not self._transfers.moves:  # a device tier in host memory keeps the same buffers
+            self._hold_on_device(job, merged)
+            with self._cv:  # they leave the host's books
                 self._ledgers[HOST].release(job.nbytes)
+            return True
+        copies = {region: self._transfers.to_device(t) for region, t in merged.items()}
+        self._hold_on_device(job, {r: self._transfers.ready(c) for r, c in copies.items()})
+        # the host buffers go back to the pool once the copies have read them
+        gather([c.done for c in copies.values()]).add_done_callback(
+            lambda _: self._give_back(job, tensors)
+        )
         return True
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._device.type == "cpu":
-            return tensor
-        # Blocking: the host buffer goes back to the pool right after, for the next read.
-        return tensor.to(self._device)
+    def _hold_on_device(self, job: Job, kept: dict[Region, torch.Tensor]) -> None:
+        """Record ``kept`` as the device-resident tensors of ``job`` (its bytes reserved)."""
+        self._resident[job.name] = kept
+        self._resident_in[job.name] = (DEVICE, job.nbytes)
+
+    # ------------------------------------------------------------------ the device side
+    def _staged_for(self, job: Job, tensors: dict[Region, torch.Tensor]) -> Staged[Region] | None:
+        """The job's copies to the device: issued ahead, or now (``None``: the work gets
+        ``tensors`` as they are: no work on the device, or a job resident there)."""
+        if self._staging is None or self.resident_tier(job.name) == DEVICE:
+            return None
+        staged = self._staging.take(job.name)
+        if staged is None:
+            self._staging.wait_landing(job.name)
+            staged = self._staging.copy_in(job.nbytes, tensors, wait=True)
+            assert staged is not None  # copy_in waited for room or raised
+        return staged
+
+    def _stage_ahead(self, job: Job) -> None:
+        """Issue ``job``'s copy to the device now, so that it runs during the work before it,
+        when its bytes are in host memory and the device has room (else the copy is issued
+        when the job is acquired)."""
+        if self._staging is None or self.resident_tier(job.name) == DEVICE:
+            return
+        host_tensors = self._host_tensors_in(job)
+        if host_tensors is not None:
+            self._staging.ahead(job.name, job.nbytes, host_tensors)
+
+    def _host_tensors_in(self, job: Job) -> dict[Region, torch.Tensor] | None:
+        """The job's host tensors when they hold its bytes now (read, or resident and landed)."""
+        assert self._staging is not None
+        if job.name in self._resident:
+            return self._resident[job.name] if self._staging.landed(job.name) else None
+        reading = self._reading.get(job.name)
+        if reading is None or reading.job != job or not reading.done.done():
+            return None
+        return reading.tensors if reading.done.exception() is None else None
+
+    def _ready(
+        self, staged: Staged[Region] | None, tensors: dict[Region, torch.Tensor]
+    ) -> dict[Region, torch.Tensor]:
+        """What the work gets: the device copies, each waited for by the work's stream."""
+        if staged is None or self._staging is None:
+            return tensors
+        return self._staging.ready(staged)
+
+    def _copy_out(
+        self,
+        host: dict[Region, torch.Tensor],
+        staged: Staged[Region] | None,
+        writes: dict[Region, torch.Tensor],
+    ) -> tuple[dict[Region, torch.Tensor], Future[Any]]:
+        """The host tensors to write for ``writes`` (copied into ``host``'s buffers of the same
+        regions when they are elsewhere) and the future of the moment they hold the bytes and
+        no copy of the job reads its host buffers any more."""
+        if self._staging is None or staged is None:
+            copies = {r: self._transfers.to_host(t, host.get(r)) for r, t in writes.items()}
+            landed = gather([c.done for c in copies.values()])
+            return {region: c.host_tensor for region, c in copies.items()}, landed
+        on_host, landed = self._staging.copy_out(host, writes)
+        return on_host, self._staging.finished(staged, landed, _nbytes(writes))
 
     def _written(self, job: Job, tensors: dict[Region, torch.Tensor], done: Future[Any]) -> None:
         error = done.exception()
@@ -341,7 +537,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ ends of a pass
     def drain(self) -> None:
-        """Wait for every write-behind; raise the first one that failed."""
+        """Wait for every write-behind and every copy back into host-resident tensors; raise
+        the first write that failed."""
         while True:
             with self._cv:
                 pending = list(self._writes)
@@ -349,22 +546,39 @@ class Pipeline:
                 break
             for future in pending:
                 future.exception()
+        if self._staging is not None:
+            self._staging.wait_landing()
         self._raise_write_errors()
 
     def release(self) -> None:
-        """Drop reads started ahead that no job consumed (e.g. prefetched, then not stepped)."""
+        """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
+        then not stepped)."""
+        if self._staging is not None:
+            self._staging.drop_all()
         for name in list(self._reading):
             self._drop_reading(name)
 
     def _drop_reading(self, name: Hashable) -> None:
+        if self._staging is not None:
+            self._staging.drop(name)
         reading = self._reading.pop(name)
         reading.done.exception()  # wait: the buffers are being filled
         self._give_back(reading.job, reading.tensors)
 
     def flush(self) -> None:
         """Write every resident job's tensors to the store and wait for all writes."""
-        resident = {r: t for tensors in self._resident.values() for r, t in tensors.items()}
-        on_host = {r: t.cpu() if t.device.type != "cpu" else t for r, t in resident.items()}
+        if self._staging is not None:
+            self._staging.wait_landing()
+        on_host: dict[Region, torch.Tensor] = {}
+        copies: list[Future[Any]] = []
+        for name, tensors in self._resident.items():
+            if self._resident_in[name][0] == DEVICE and self._transfers.moves:
+                outs = {r: self._transfers.to_host(t) for r, t in tensors.items()}
+                on_host.update({region: out.host_tensor for region, out in outs.items()})
+                copies += [out.done for out in outs.values()]
+            else:
+                on_host.update(tensors)
+        gather(copies).result()
         write_regions(self._store, on_host).result()
         with self._cv:
             for name, tensors in self._resident.items():
@@ -373,6 +587,8 @@ class Pipeline:
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten)."""
+        if self._staging is not None:
+            self._staging.drop_all()
         self.flush()
         with self._cv:
             for name, tensors in self._resident.items():
@@ -387,6 +603,8 @@ class Pipeline:
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
+        if self._staging is not None:
+            self._staging.wait_landing(name)
         return self._resident.get(name)
 
     def resident_tier(self, name: Hashable) -> TierName | None:
@@ -421,6 +639,19 @@ class Pipeline:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
+
+
+def _overlap(a: Region, b: Region) -> bool:
+    return a.key == b.key and a.start < b.stop and b.start < a.stop
+
+
+def _settle(target: Future[Any], source: Future[Any]) -> None:
+    """Complete ``target`` as ``source`` completed."""
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
 
 
 def _nbytes(tensors: Mapping[Region, torch.Tensor]) -> int:

@@ -5,8 +5,10 @@ Both front ends compose the same parts: a byte :class:`Ledger` per memory tier (
 page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choose what stays
 resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), one
 allocator for a tier's buffers (:func:`allocate`: the pool's, and the cache's items), and one
-statistics type (:class:`TierStats`, :class:`CacheStats`). Disk transfers go through the store's
-async calls; nothing here imports a front end.
+statistics type (:class:`TierStats`, :class:`CacheStats`), and the transfers: disk <-> host
+through the store's async calls, host <-> device through :mod:`~tierswap.engine.transfer`
+(side streams and events on CUDA; :class:`DeviceStaging` keeps a front end's work on the
+device within the device ledger). Nothing here imports a front end.
 """
 
 from __future__ import annotations
@@ -14,23 +16,42 @@ from __future__ import annotations
 from tierswap.engine._ledger import Ledger
 from tierswap.engine._placement import kept, place
 from tierswap.engine._pool import BufferPool, allocate, base_bytes
+from tierswap.engine._staging import DeviceStaging, Staged
 from tierswap.engine.belady import CycleReads, simulate
 from tierswap.engine.policies import EvictionPolicy, LookaheadPolicy, LRUPolicy, make_policy
 from tierswap.engine.stats import CacheStats, TierStats
+from tierswap.engine.transfer import (
+    CudaTransfers,
+    PassThrough,
+    ToDevice,
+    ToHost,
+    Transfers,
+    completed,
+    transfers_for,
+)
 
 __all__ = [
     "BufferPool",
     "CacheStats",
+    "CudaTransfers",
     "CycleReads",
+    "DeviceStaging",
     "EvictionPolicy",
     "LRUPolicy",
     "Ledger",
     "LookaheadPolicy",
+    "PassThrough",
+    "Staged",
     "TierStats",
+    "ToDevice",
+    "ToHost",
+    "Transfers",
     "allocate",
     "base_bytes",
+    "completed",
     "kept",
     "make_policy",
     "place",
     "simulate",
+    "transfers_for",
 ]

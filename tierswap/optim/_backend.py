@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierswap._lifetime import close_at_exit
+from tierswap.engine import Transfers
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region, write_regions
 from tierswap.store import check_apart, replace_with_snapshot
@@ -68,6 +69,9 @@ class StateBackend:
         Chunk size of new arrays: slices split parameters at multiples of it.
     device_budget, device:
         Bytes of the device tier (slices resident there) and where its tensors live.
+    transfers, work_on_device:
+        How slices move between host and device, and whether they step there
+        (see :class:`~tierswap.pipeline.Pipeline`).
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class StateBackend:
         chunk_bytes: int,
         device_budget: int = 0,
         device: torch.device | None = None,
+        transfers: Transfers | None = None,
+        work_on_device: bool = False,
     ) -> None:
         self.folders, temporary = resolve_swap_dir(swap_dir)
         self.path = self.folders[0]  # the home
@@ -87,7 +93,7 @@ class StateBackend:
             weakref.finalize(self, shutil.rmtree, str(self.path), True) if temporary else None
         )
         self._durable, self._chunk_bytes = durable, chunk_bytes
-        self._budgets = (budget, device_budget, device)
+        self._pipeline_settings = (budget, device_budget, device, transfers, work_on_device)
         self.closed = False
         try:
             self._open(resume)
@@ -102,8 +108,15 @@ class StateBackend:
         self.store = _open_store(
             self.folders, durable=self._durable, resume=resume, chunk_bytes=self._chunk_bytes
         )
-        budget, device_budget, device = self._budgets
-        self.pipeline = Pipeline(self.store, budget, device_budget=device_budget, device=device)
+        budget, device_budget, device, transfers, work_on_device = self._pipeline_settings
+        self.pipeline = Pipeline(
+            self.store,
+            budget,
+            device_budget=device_budget,
+            device=device,
+            transfers=transfers,
+            work_on_device=work_on_device,
+        )
         self.known: set[str] = set(self.store.keys()) if resume else set()
 
     def reopen_from(self, source: Path, chunk_bytes: int) -> None:

@@ -22,6 +22,7 @@ from tierswap.optim._partition import (
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = [
+    "DEVICE_STREAM_SLICES",
     "MAX_CHUNK_BYTES",
     "MAX_SLICE_BYTES",
     "MIN_CHUNK_BYTES",
@@ -37,6 +38,9 @@ MAX_SLICE_BYTES = 64 << 20
 #: Slices in flight that the streaming part of the budget is sized for: one read ahead, one
 #: stepping, one or two being written back.
 STREAM_SLICES = 4
+#: Streamed slices on the device at once when the step runs there, reserved beside the slices
+#: resident in the device tier: one copying in while one steps and one copies back.
+DEVICE_STREAM_SLICES = 3
 #: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
 #: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
 STREAM_FLOOR = 32 << 20
@@ -113,7 +117,7 @@ def plan_layout(
     largest = max((piece.working_set for piece in slices), default=0)
     capacities: dict[str, int] = {DEVICE: device_budget}
     if device_compute:  # streamed slices pass through the device
-        capacities[DEVICE] = max(device_budget - 2 * largest, 0)
+        capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
     capacities[HOST] = budget - max(stream, STREAM_SLICES * largest if stream else 0)
     policies = {
         tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities

@@ -9,6 +9,11 @@ cut parameter's optimizer is per element, and a parameter whose optimizer's math
 :mod:`~tierswap.optim._probe`), so the result is bitwise the same. Everything the step needs
 comes in as arguments; nothing here reads the optimizer's members.
 
+Where the step runs is where the tensors are: the pipeline hands the work device tensors when
+the optimizer steps on the device (copied in on a side stream, and waited for by the compute
+stream, by the engine's transfer layer) and copies the returned ones back; nothing here copies
+between host and device or waits for the device.
+
 Compact state (:mod:`~tierswap.optim.formats`): a state tensor stored in bf16 or 8 bits is
 read as its stored regions (codes and absmax for 8 bits: slices start and end at block
 boundaries), decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32
@@ -58,7 +63,6 @@ class StepPlan:
     state_names: dict[int, list[str]]
     small_before: dict[int, dict[str, Any]]
     write_params: bool
-    compute_device: torch.device
     create: Callable[[str, tuple[int, ...], torch.dtype], None]
     small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
@@ -90,11 +94,10 @@ def step_slice(
     segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
     if not segments:
         return {}
-    on_device = _Device(plan.compute_device)
-    targets = [_target(plan, seg, tensors, on_device) for seg in segments]
+    targets = [_target(plan, seg, tensors) for seg in segments]
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for seg, target in zip(segments, targets, strict=True):
-        state[target] = _state_of(plan, seg, tensors, on_device)
+        state[target] = _state_of(plan, seg, tensors)
     for inner in {
         id(plan.inners[seg.slot.group]): plan.inners[seg.slot.group] for seg in segments
     }.values():
@@ -106,12 +109,7 @@ def step_slice(
         )
     writes: dict[Region, torch.Tensor] = {}
     for seg, target in zip(segments, targets, strict=True):
-        writes.update(
-            _collect(
-                plan, seg, target, new_state=state[target], tensors=tensors, on_device=on_device
-            )
-        )
-    on_device.finish()
+        writes.update(_collect(plan, seg, target, new_state=state[target], tensors=tensors))
     return writes
 
 
@@ -171,16 +169,14 @@ def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.
     return tensor.view(slot.whole_state[name][0]) if name in slot.whole_state else tensor
 
 
-def _target(
-    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device
-) -> torch.Tensor:
+def _target(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor]) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
     whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
     assert whole_grad is not None  # plan.live holds only slots whose gradient is final
     grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
-        stored = on_device.take(tensors[_region(slot.master_key, seg)])
+        stored = tensors[_region(slot.master_key, seg)]
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
             param = flat(slot.param)[seg.start : seg.stop].to(stored.device)
             stored = join(param, stored, torch.empty(seg.numel, device=stored.device))
@@ -192,9 +188,7 @@ def _target(
     return target
 
 
-def _state_of(
-    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], on_device: _Device
-) -> dict[str, Any]:
+def _state_of(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor]) -> dict[str, Any]:
     slot = seg.slot
     if slot.index in plan.fresh:
         return {}  # torch creates the state, as for a parameter it has never stepped
@@ -202,10 +196,10 @@ def _state_of(
     for name in plan.state_names.get(slot.index, []):
         fmt = slot.moment_format(name)
         if fmt is None:
-            state[name] = _shaped(slot, on_device.take(tensors[state_region(seg, name)]), name)
+            state[name] = _shaped(slot, tensors[state_region(seg, name)], name)
             continue
-        stored = [on_device.take(tensors[region]) for region in state_regions(seg, name)]
-        scratch = torch.empty(seg.numel, dtype=torch.float32, device=on_device.device)
+        stored = [tensors[region] for region in state_regions(seg, name)]
+        scratch = torch.empty(seg.numel, dtype=torch.float32, device=stored[0].device)
         state[name] = fmt.decode(stored, scratch)
     return state
 
@@ -227,9 +221,9 @@ def _collect(
     *,
     new_state: dict[str, Any],
     tensors: dict[Region, torch.Tensor],
-    on_device: _Device,
 ) -> dict[Region, torch.Tensor]:
-    """Regions to write after ``seg`` stepped; updates the parameter from its master."""
+    """Regions to write after ``seg`` stepped (where it stepped: the pipeline copies them back);
+    updates the parameter from its master."""
     slot = seg.slot
     writes: dict[Region, torch.Tensor] = {}
     small: dict[str, Any] = {}
@@ -244,17 +238,16 @@ def _collect(
             names.append(name)
         if fmt is None:
             region = state_region(seg, name)
-            writes[region] = on_device.give(value, tensors.get(region))
+            writes[region] = value.view(-1)
         else:
-            writes.update(_encoded(seg, name, fmt, value, tensors=tensors, on_device=on_device))
+            writes.update(_encoded(seg, name, fmt, value, tensors=tensors))
     plan.small_after[slot.index] = small
     target.grad = None
     if slot.remainder:
-        writes.update(_split_master(plan, seg, target, tensors, on_device))
+        writes.update(_split_master(plan, seg, target, tensors))
     elif slot.has_master:
         flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
-        region = _region(slot.master_key, seg)
-        writes[region] = on_device.give(target, tensors[region])
+        writes[_region(slot.master_key, seg)] = target.view(-1)
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)
     return writes
@@ -279,25 +272,18 @@ def _encoded(
     value: torch.Tensor,
     *,
     tensors: dict[Region, torch.Tensor],
-    on_device: _Device,
 ) -> dict[Region, torch.Tensor]:
     """The regions to write for state ``name`` (fp32 ``value``) encoded in ``fmt``: into the
-    host buffers read, or new ones (first step), through device buffers when it ran there."""
+    buffers read, or new ones (first step), on the device where it ran."""
     regions = state_regions(seg, name)
-    hosts = [tensors.get(region) for region in regions]
     buffers = [
-        host
-        if host is not None and host.device == value.device
+        read
+        if (read := tensors.get(region)) is not None
         else torch.empty(region.numel, dtype=dtype, device=value.device)
-        for region, host, dtype in zip(
-            regions, hosts, _stored_dtypes(seg.slot, fmt, name), strict=True
-        )
+        for region, dtype in zip(regions, _stored_dtypes(seg.slot, fmt, name), strict=True)
     ]
     fmt.encode(value.reshape(-1), buffers)
-    return {
-        region: on_device.give(buffer, host)
-        for region, buffer, host in zip(regions, buffers, hosts, strict=True)
-    }
+    return dict(zip(regions, buffers, strict=True))
 
 
 def _split_master(
@@ -305,22 +291,18 @@ def _split_master(
     seg: Segment,
     target: torch.Tensor,
     tensors: dict[Region, torch.Tensor],
-    on_device: _Device,
 ) -> dict[Region, torch.Tensor]:
     """Split the stepped fp32 master ``target`` into the bf16 parameter (rounded half up)
     and the remainder; the regions to write: the remainder, and the parameter when due."""
     slot = seg.slot
     region = _region(slot.master_key, seg)
-    host = tensors[region]
-    remainder = (
-        host if host.device == target.device else torch.empty_like(host, device=target.device)
-    )
+    remainder = tensors[region]  # read where the step runs: the new remainder goes there
     param = flat(slot.param)[seg.start : seg.stop]
     if param.device == target.device:
         split(target.reshape(-1), param, remainder)
     else:
         param.copy_(split(target.reshape(-1), None, remainder)[0])
-    writes = {region: on_device.give(remainder, host)}
+    writes = {region: remainder}
     if plan.write_params:
         writes[_region(slot.param_key, seg)] = param.detach()
     return writes
@@ -329,59 +311,3 @@ def _split_master(
 def clone_small(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of scalar state whose tensors (``step``) torch may update in place."""
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
-
-
-class _Device:
-    """Moves a slice's host buffers to the compute device and back (nothing on the CPU).
-
-    On CUDA the copies run on a side stream: host-to-device copies are ordered before the step
-    by an event the compute stream waits on; device-to-host copies wait for the step's event,
-    and :meth:`finish` waits for them, since the write-behind reads the host buffers next.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self._stream = _side_stream(device) if self.cuda else None
-        self._copied_back = False
-
-    def take(self, host: torch.Tensor) -> torch.Tensor:
-        if not self.cuda or self._stream is None:
-            return host
-        with torch.cuda.stream(self._stream):
-            device_tensor = host.to(self.device, non_blocking=True)
-        h2d_event = self._stream.record_event()
-        torch.cuda.current_stream(self.device).wait_event(h2d_event)
-        return device_tensor
-
-    def give(self, value: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
-        """The host tensor to write for ``value`` (copied into ``host`` when it is on device)."""
-        if value.device.type == "cpu":
-            if host is not None and value is not host and value.data_ptr() != host.data_ptr():
-                host.copy_(value.view(-1))
-                return host
-            return value.view(-1)
-        if self._stream is None:
-            return value.to("cpu").view(-1)
-        step_event = torch.cuda.current_stream(self.device).record_event()
-        self._stream.wait_event(step_event)
-        with torch.cuda.stream(self._stream):
-            if host is None:
-                host = torch.empty(value.numel(), dtype=value.dtype, pin_memory=True)
-            host.copy_(value.view(-1), non_blocking=True)
-        self._copied_back = True
-        return host
-
-    def finish(self) -> None:
-        if self._stream is not None and self._copied_back:
-            self._stream.synchronize()  # the write-behind reads the host buffers next
-
-
-_STREAMS: dict[int, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
-    return _STREAMS[index]

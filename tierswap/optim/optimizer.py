@@ -23,7 +23,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from tierswap.engine import EvictionPolicy
+from tierswap.engine import EvictionPolicy, transfers_for
 from tierswap.errors import ConfigError
 from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
@@ -186,6 +186,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
+        # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
+        # recording stand-in here to check the GPU path's ordering without a GPU.
+        self._transfers = transfers_for(self.compute_device)
         slots: list[Slot] = []
         for group in self.param_groups:
             slots += self._new_slots(group, len(slots))
@@ -201,6 +204,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             chunk_bytes=self._layout.chunk_bytes,
             device_budget=config.device_bytes,
             device=self.compute_device,
+            transfers=self._transfers,
+            work_on_device=self.tier == DEVICE,
         )
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
@@ -282,7 +287,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             policy=config.policy,
             chunk_bytes=chunk_bytes,
             forward_order=config.overlap == "forward",
-            device_compute=self.compute_device.type != "cpu",
+            device_compute=self._transfers.moves,
         )
 
     def _start(self, resume: bool) -> None:
@@ -488,7 +493,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             state_names=self._state.names,
             small_before=self._state.small,
             write_params=self._commit_due(),
-            compute_device=self.compute_device,
             create=self._backend.create,
         )
 

@@ -1,0 +1,199 @@
+"""A CPU stand-in of the engine's transfer layer that records the order of what happens.
+
+:class:`RecordingTransfers` has the interface of :class:`tierswap.engine.Transfers` and behaves
+like a GPU's copy engine: a copy runs later, on its own thread, after a short delay. A tensor
+copied to the "device" holds garbage (NaN) until its copy has run, so a step that does not wait
+for it computes garbage; a tensor copied back holds the bytes only once its future completes.
+Every copy issued, event waited for, event recorded and copy finished is appended to ``log``;
+tests add what they see (a step starting and ending, a disk write) with :meth:`note`, then check
+the order with the functions below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+
+import torch
+
+from tierswap.engine import ToDevice, ToHost
+
+__all__ = [
+    "Op",
+    "RecordingTransfers",
+    "copies_issued_ahead",
+    "steps_after_their_copies",
+    "writes_after_landing",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One entry of the log: ``kind``, the copy's number (0 for noted ops), data pointers."""
+
+    kind: str
+    copy: int
+    ptrs: tuple[int, ...]
+
+
+def ptrs_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors if t.numel())
+
+
+def _garbage_like(tensor: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(tensor)
+    return out.fill_(float("nan") if out.is_floating_point() else 90)
+
+
+class RecordingTransfers:
+    """Copies between two regions of CPU memory, as a GPU's copy engine would: later, after
+    ``delay`` seconds each, one at a time (``delay=None``: at once, when issued).
+
+    Kinds logged: ``h2d`` (copy issued: host ptr, device ptr), ``h2d_done``, ``wait`` (the
+    compute stream waits for a copy's event: device ptr), ``record`` (an event recorded on the
+    compute stream before a copy back: device ptr), ``d2h`` (copy back issued: device ptr, host
+    ptr), ``d2h_done`` (the bytes landed: host ptr).
+    """
+
+    moves = True
+
+    def __init__(self, delay: float | None = 0.001) -> None:
+        self.device = torch.device("cpu")
+        self.log: list[Op] = []
+        self._delay = delay
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        self._queue: queue.SimpleQueue[tuple[Callable[[], object], Op, Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._copy_engine, daemon=True)
+        self._thread.start()
+
+    def note(self, kind: str, ptrs: tuple[int, ...] = (), copy: int = 0) -> None:
+        with self._lock:
+            self.log.append(Op(kind, copy, ptrs))
+
+    def kinds(self) -> list[str]:
+        with self._lock:
+            return [op.kind for op in self.log]
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the interface
+    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+        number = next(self._numbers)
+        device_tensor = _garbage_like(host_tensor)
+        self.note("h2d", (host_tensor.data_ptr(), device_tensor.data_ptr()), number)
+        done = self._later(
+            lambda: device_tensor.copy_(host_tensor),
+            Op("h2d_done", number, (device_tensor.data_ptr(),)),
+        )
+        return ToDevice(device_tensor, number, done)
+
+    def ready(self, copy: ToDevice) -> torch.Tensor:
+        copy.done.result()  # the compute stream waits for the copy's event
+        self.note("wait", (copy.device_tensor.data_ptr(),), copy.h2d_event)
+        return copy.device_tensor
+
+    def to_host(
+        self, device_tensor: torch.Tensor, host_tensor: torch.Tensor | None = None
+    ) -> ToHost:
+        number = next(self._numbers)
+        self.note("record", (device_tensor.data_ptr(),), number)
+        host = (
+            host_tensor
+            if host_tensor is not None
+            else torch.empty(device_tensor.numel(), dtype=device_tensor.dtype)
+        )
+        self.note("d2h", (device_tensor.data_ptr(), host.data_ptr()), number)
+        done = self._later(
+            lambda: host.copy_(device_tensor.reshape(-1)),
+            Op("d2h_done", number, (host.data_ptr(),)),
+        )
+        return ToHost(host, done)
+
+    # ------------------------------------------------------------------ the copy engine
+    def _later(self, copy: Callable[[], object], finished: Op) -> Future[None]:
+        done: Future[None] = Future()
+        if self._delay is None:
+            self._run(copy, finished, done)
+        else:
+            self._queue.put((copy, finished, done))
+        return done
+
+    def _copy_engine(self) -> None:
+        while (item := self._queue.get()) is not None:
+            time.sleep(self._delay or 0.0)
+            self._run(*item)
+
+    def _run(self, copy: Callable[[], object], finished: Op, done: Future[None]) -> None:
+        try:
+            with torch.no_grad():  # a copy engine knows nothing of autograd
+                copy()
+        except BaseException as exc:
+            done.set_exception(exc)
+            return
+        with self._lock:
+            self.log.append(finished)
+        done.set_result(None)
+
+
+# ---------------------------------------------------------------------- checks of a log
+def steps_after_their_copies(log: list[Op]) -> list[str]:
+    """Violations: a ``step`` op using a copied tensor whose copy was not waited for before."""
+    copy_of: dict[int, int] = {}  # device ptr -> the latest copy into it
+    waited: set[int] = set()
+    problems = []
+    for index, op in enumerate(log):
+        if op.kind == "h2d":
+            copy_of[op.ptrs[1]] = op.copy
+        elif op.kind == "wait":
+            waited.add(op.copy)
+        elif op.kind == "step":
+            late = [p for p in op.ptrs if p in copy_of and copy_of[p] not in waited]
+            if late:
+                problems.append(f"op {index}: a step used copies {late} before waiting for them")
+    return problems
+
+
+def writes_after_landing(log: list[Op]) -> list[str]:
+    """Violations: a ``write`` op of a host tensor whose copy back had not landed."""
+    landing: dict[int, int] = {}  # host ptr -> the latest copy back into it
+    landed: set[int] = set()
+    problems = []
+    for index, op in enumerate(log):
+        if op.kind == "d2h":
+            landing[op.ptrs[1]] = op.copy
+        elif op.kind == "d2h_done":
+            landed.add(op.copy)
+        elif op.kind == "write":
+            late = [p for p in op.ptrs if p in landing and landing[p] not in landed]
+            if late:
+                problems.append(f"op {index}: wrote {late} before its copy back landed")
+    return problems
+
+
+def copies_issued_ahead(log: list[Op]) -> tuple[int, int]:
+    """How many steps that use copies (the first step left out) had every copy they use issued
+    before the step ahead of them ended, and how many such steps there were."""
+    issued: dict[int, int] = {}  # device ptr -> position of the latest h2d into it
+    ends: list[int] = []  # positions of the ``stepped`` ops
+    ahead = total = 0
+    for index, op in enumerate(log):
+        if op.kind == "h2d":
+            issued[op.ptrs[1]] = index
+        elif op.kind == "stepped":
+            ends.append(index)
+        elif op.kind == "step" and ends:
+            copied = [issued[p] for p in op.ptrs if p in issued]
+            if copied:
+                total += 1
+                ahead += max(copied) < ends[-1]
+    return ahead, total

@@ -1,0 +1,212 @@
+"""The optimizer's GPU path, checked on the CPU: the recording stand-in of the transfer layer
+takes the place of CUDA's, so every slice steps on "device" copies that arrive late (NaN until
+their copy has run) and land back late. The order of copies, events, steps and disk writes is
+checked from its log, and the results stay bitwise equal to torch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engine.recording import (
+    RecordingTransfers,
+    copies_issued_ahead,
+    ptrs_of,
+    steps_after_their_copies,
+    writes_after_landing,
+)
+from tests.optim.models import assert_same_params, assert_same_state
+from tierswap.errors import ConfigError
+from tierswap.optim import SwapOptimizer, _layout, optimizer
+from tierswap.store import SwapStore
+
+LAYERS = 6
+WIDTH = 48
+STATE = LAYERS * (WIDTH * WIDTH + WIDTH) * 8  # AdamW's two fp32 moments
+PLACEMENTS = {
+    # name: (host_budget, device_budget)
+    "streamed through the device": ("64KiB", "48KiB"),
+    "device + host + nvme": (STATE // 2, STATE // 2),
+    "all device": ("64KiB", 3 * STATE),
+}
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _install(monkeypatch, transfers: RecordingTransfers, *, sync_writes: bool = False) -> None:
+    """``transfers`` as the optimizer's transfer layer; reads that are in when they return
+    (so a slice's copy can go ahead while the one before steps); disk writes logged (and
+    finished before they return with ``sync_writes``)."""
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", 16 << 10)  # KiB budgets stream a tenth
+    monkeypatch.setattr(optimizer, "transfers_for", lambda device: transfers)
+    get, put = SwapStore.get_region_async, SwapStore.put_region_async
+
+    def read_now(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:
+        future = get(self, key, start, stop, out=out)
+        future.exception()
+        return future
+
+    def logged_put(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
+        transfers.note("write", (tensor.data_ptr(),))
+        future = put(self, key, start, tensor)
+        if sync_writes:
+            future.exception()
+        return future
+
+    monkeypatch.setattr(SwapStore, "get_region_async", read_now)
+    monkeypatch.setattr(SwapStore, "put_region_async", logged_put)
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> Iterator[RecordingTransfers]:
+    """The stand-in, copying late, as the optimizer's transfer layer."""
+    transfers = RecordingTransfers()
+    _install(monkeypatch, transfers)
+    yield transfers
+    transfers.close()
+
+
+def logged(recorder: RecordingTransfers) -> type[torch.optim.AdamW]:
+    """AdamW whose steps note, before and after, the tensors they update."""
+
+    class LoggedAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            tensors = [p for group in self.param_groups for p in group["params"]]
+            tensors += [
+                value
+                for state in self.state.values()
+                for value in state.values()
+                if torch.is_tensor(value) and value.dim() > 0
+            ]
+            recorder.note("step", ptrs_of(tensors))
+            loss = super().step(closure)
+            recorder.note("stepped", ptrs_of(tensors))
+            return loss
+
+    return LoggedAdamW
+
+
+def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, WIDTH, generator=gen)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_device_path_is_ordered_and_bitwise(placement, recorder, tmp_path) -> None:
+    host, device = PLACEMENTS[placement]
+    torch.manual_seed(0)
+    ref_model, model = Stack(), Stack()
+    model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = SwapOptimizer(
+        model.parameters(), logged(recorder), lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget=host, device_budget=device, commit_every=2,
+    )  # fmt: skip
+    with opt:
+        _run(ref_model, ref)
+        _run(model, opt)
+        opt.synchronize()
+        assert_same_params(ref_model, model)
+        assert_same_state(ref.state_dict(), opt.state_dict())
+        stats = opt.tier_stats()
+        assert 0 <= stats["device"]["used"] <= stats["device"]["budget"]
+    log = recorder.log
+    assert steps_after_their_copies(log) == []
+    assert writes_after_landing(log) == []
+    kinds = recorder.kinds()
+    if placement == "all device":  # the first step made the state there: nothing moves in
+        assert set(opt.placement.values()) == {"device"}
+        assert "h2d" not in kinds
+        assert kinds.count("d2h") > 0  # commits copy the state back to write it
+        assert kinds.count("write") > 0
+    else:
+        assert kinds.count("wait") == kinds.count("h2d") > 0
+        assert kinds.count("d2h") > 0
+        assert kinds.count("write") > 0
+        assert copies_issued_ahead(log)[0] > 0  # how many depends on the copies' speed
+
+
+def test_each_slice_is_copied_in_while_the_one_before_steps(monkeypatch, tmp_path) -> None:
+    """With copies and disk I/O that keep up (the stand-in copies at once, the store's reads
+    and writes finish before they return), the copy of every slice but the first of each
+    step is issued before the slice ahead of it has finished stepping."""
+    transfers = RecordingTransfers(delay=None)
+    _install(monkeypatch, transfers, sync_writes=True)
+    torch.manual_seed(0)
+    model = Stack()
+    opt = SwapOptimizer(
+        model.parameters(), logged(transfers), lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget="64KiB", device_budget="48KiB", policy="lru",
+    )  # fmt: skip
+    with opt:
+        assert not opt.placement  # LRU keeps nothing of a cycle larger than a tier
+        _run(model, opt, steps=3)
+    ahead, total = copies_issued_ahead(transfers.log)
+    assert total == 2 * len(opt.slices)  # steps 2 and 3 (the first made the state)
+    assert ahead == total - 2  # all but the first slice of each step
+    assert steps_after_their_copies(transfers.log) == []
+    assert writes_after_landing(transfers.log) == []
+    transfers.close()
+
+
+def test_master_weights_step_on_the_device_copies(recorder, tmp_path) -> None:
+    """bf16 parameters: their fp32 masters are read, copied in, stepped, copied back and
+    written; the parameters equal a reference that steps fp32 masters in memory."""
+    torch.manual_seed(0)
+    ref_model = Stack().to(torch.bfloat16)
+    model = copy.deepcopy(ref_model)
+    masters = [p.detach().float().requires_grad_() for p in ref_model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2)
+    opt = SwapOptimizer(
+        model.parameters(), logged(recorder), lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget="96KiB", device_budget="64KiB",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    with opt:
+        assert all(seg.slot.has_master for piece in opt.slices for seg in piece.segments)
+        for _ in range(3):
+            x = torch.randn(16, WIDTH, generator=gen).to(torch.bfloat16)
+            ref_model.zero_grad()
+            ref_model(x).float().square().mean().backward()
+            for master, param in zip(masters, ref_model.parameters(), strict=True):
+                master.grad = param.grad.float()
+            ref.step()
+            with torch.no_grad():
+                for master, param in zip(masters, ref_model.parameters(), strict=True):
+                    param.copy_(master)
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+        opt.synchronize()
+        for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+    assert steps_after_their_copies(recorder.log) == []
+    assert writes_after_landing(recorder.log) == []
+    # masters are the step's targets: each step waited for its master's copy
+    assert recorder.kinds().count("wait") >= 3 * len(opt.slices)
+
+
+def test_a_device_budget_below_a_slice_is_refused_when_slices_step_there(recorder) -> None:
+    """Streamed slices pass through the device: its budget must hold one (checked on a GPU by
+    tests/optim/test_errors.py; here through the stand-in)."""
+    model = torch.nn.Linear(128, 64)
+    with pytest.raises(ConfigError, match="device_budget"):
+        SwapOptimizer(model.parameters(), host_budget="1MiB", device_budget="1KiB")

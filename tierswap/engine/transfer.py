@@ -1,0 +1,256 @@
+"""Host <-> device copies ordered by events: the engine's one transfer path.
+
+A slice's bytes go to the device before its step and come back after it. On CUDA both copies
+run on side streams, so they overlap the compute stream's work instead of waiting for it:
+
+- :meth:`Transfers.to_device` issues a host-to-device copy on the *upload* stream and returns the
+  device tensor with the event recorded after it (``h2d_event``). The consumer calls
+  :meth:`Transfers.ready` just before it uses the tensor: the compute stream waits for the event
+  (the GPU waits; the calling thread does not).
+- :meth:`Transfers.to_host` records an event on the compute stream (after the work queued so
+  far, the step), makes the *download* stream wait for it and issues the device-to-host copy
+  there. It returns the host tensor at once with a future that completes when the bytes have
+  landed. Whoever needs the bytes (the write-behind that hands them to the store) waits for that
+  future; the caller's thread never synchronises with the device.
+
+Every copy also comes with a future that completes when the copy has finished reading its
+source, so a host buffer goes back to a pool only when no copy still reads it.
+
+Implementations: :class:`CudaTransfers` (two side streams per GPU; one daemon thread completes
+the futures as the events are reached, in the order they were recorded), :class:`PassThrough`
+(the CPU: nothing moves, every future is complete), and any stand-in with the same interface:
+a recording one lets tests check the ordering of copies, events and steps on a machine without
+a GPU. :func:`transfers_for` picks the implementation for a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from tierswap.engine._pool import allocate
+
+__all__ = [
+    "CudaTransfers",
+    "PassThrough",
+    "ToDevice",
+    "ToHost",
+    "Transfers",
+    "completed",
+    "transfers_for",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToDevice:
+    """A host-to-device copy in flight.
+
+    ``device_tensor`` holds the bytes once ``h2d_event`` is reached: pass this object to
+    :meth:`Transfers.ready` before using it. ``done`` completes when the copy has read the host
+    buffer, which may then be reused.
+    """
+
+    device_tensor: torch.Tensor
+    h2d_event: Any
+    done: Future[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToHost:
+    """A device-to-host copy in flight: ``host_tensor`` holds the bytes once ``done`` completes
+    (and the device tensor's memory may then be reused)."""
+
+    host_tensor: torch.Tensor
+    done: Future[None]
+
+
+class Transfers(Protocol):
+    """Moves tensors between host memory and one compute device.
+
+    ``device`` is where :meth:`to_device` puts tensors; ``moves`` is ``False`` when host and
+    device are the same memory (nothing is copied, every future is complete), which lets a front
+    end skip the device's bookkeeping.
+
+    Thread safety: :meth:`to_device`, :meth:`ready` and :meth:`to_host` are called from the
+    thread that queues the compute work (the ordering they give is that of its current stream);
+    the futures they return complete on any thread.
+    """
+
+    device: torch.device
+    moves: bool
+
+    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+        """Start copying ``host_tensor`` to the device."""
+        ...
+
+    def ready(self, copy: ToDevice) -> torch.Tensor:
+        """The copied tensor, ordered after its copy for the compute work queued from now on."""
+        ...
+
+    def to_host(
+        self, device_tensor: torch.Tensor, host_tensor: torch.Tensor | None = None
+    ) -> ToHost:
+        """Start copying ``device_tensor`` (1-D view) into ``host_tensor`` (a new pinned buffer
+        when ``None``), after the compute work queued so far."""
+        ...
+
+
+def completed() -> Future[None]:
+    """A future that is already done: the handle of a copy that needed no waiting."""
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.device == b.device and a.data_ptr() == b.data_ptr())
+
+
+def _copy_now(value: torch.Tensor, host_tensor: torch.Tensor | None) -> ToHost:
+    """``value`` as the 1-D tensor to write: copied into ``host_tensor`` when that is other
+    memory, else itself (a synchronous copy: nothing to wait for)."""
+    if host_tensor is None or _same_memory(value, host_tensor):
+        return ToHost(value.view(-1), completed())
+    host_tensor.copy_(value.view(-1))
+    return ToHost(host_tensor, completed())
+
+
+class PassThrough:
+    """The transfer layer of a device that is host memory (the CPU): nothing moves.
+
+    :meth:`to_device` hands the host tensor back; :meth:`to_host` copies only when the work
+    put its result in other memory than the buffer to write (a new tensor), synchronously.
+    """
+
+    moves = False
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+
+    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+        return ToDevice(host_tensor, None, completed())
+
+    def ready(self, copy: ToDevice) -> torch.Tensor:
+        return copy.device_tensor
+
+    def to_host(
+        self, device_tensor: torch.Tensor, host_tensor: torch.Tensor | None = None
+    ) -> ToHost:
+        return _copy_now(device_tensor, host_tensor)
+
+
+class _EventWaiter:
+    """Completes a future for each CUDA event once the event is reached.
+
+    One daemon thread waits for the events in the order they were queued (each copy stream
+    records them in order, so waiting in order delays no future by more than the other stream's
+    copy). Callbacks of the futures (the write-behind starting a store write) run on it. It
+    holds ``keep`` (the source of a copy) until the event is reached, so that memory a copy
+    still reads is not freed.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Any, Future[None], object]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def when_reached(self, event: Any, keep: object = None) -> Future[None]:
+        future: Future[None] = Future()
+        self._queue.put((event, future, keep))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            event, future, keep = self._queue.get()
+            try:
+                event.synchronize()
+            except BaseException as exc:  # a failed device: whoever waits for the copy raises
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            del event, future, keep  # nothing outlives its copy while the queue is empty
+
+
+class CudaTransfers:
+    """Copies between pinned host memory and one GPU on two side streams, ordered by events.
+
+    Uploads run on one stream and downloads on another, so slice k+1's upload never queues
+    behind slice k's download (which waits for step k). Memory rules of the caching allocator:
+    an uploaded tensor is allocated on the upload stream and marked used by the compute stream
+    in :meth:`ready`; a downloaded tensor is marked used by the download stream, so neither is
+    reused before the streams that touch it are past it.
+
+    Thread safety: as :class:`Transfers`; one instance per GPU is shared
+    (:func:`transfers_for`).
+    """
+
+    moves = True
+
+    def __init__(self, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self._upload = torch.cuda.Stream(device=self.device)
+        self._download = torch.cuda.Stream(device=self.device)
+        self._waiter = _EventWaiter(f"tierswap-cuda{index}-events")
+
+    @property
+    def streams(self) -> tuple[Any, Any]:
+        """The upload and download side streams (for profiling: events recorded on them time
+        the copies)."""
+        return self._upload, self._download
+
+    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+        with torch.cuda.stream(self._upload):
+            device_tensor = torch.empty_like(host_tensor, device=self.device)
+            device_tensor.copy_(host_tensor, non_blocking=True)
+        h2d_event = self._upload.record_event()
+        return ToDevice(
+            device_tensor, h2d_event, self._waiter.when_reached(h2d_event, keep=host_tensor)
+        )
+
+    def ready(self, copy: ToDevice) -> torch.Tensor:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(copy.h2d_event)  # the GPU waits; this thread goes on
+        copy.device_tensor.record_stream(compute)
+        return copy.device_tensor
+
+    def to_host(
+        self, device_tensor: torch.Tensor, host_tensor: torch.Tensor | None = None
+    ) -> ToHost:
+        if device_tensor.device.type != "cuda":
+            return _copy_now(device_tensor, host_tensor)
+        step_event = torch.cuda.current_stream(self.device).record_event()
+        self._download.wait_event(step_event)  # after the step that made the value
+        if host_tensor is None:
+            host_tensor = allocate((device_tensor.numel(),), device_tensor.dtype)
+        with torch.cuda.stream(self._download):
+            host_tensor.copy_(device_tensor.view(-1), non_blocking=True)
+        device_tensor.record_stream(self._download)
+        d2h_event = self._download.record_event()
+        return ToHost(host_tensor, self._waiter.when_reached(d2h_event))
+
+
+_CUDA: dict[int, CudaTransfers] = {}
+_CUDA_LOCK = threading.Lock()
+
+
+def transfers_for(device: torch.device) -> Transfers:
+    """The transfer layer for ``device``: the shared :class:`CudaTransfers` of a GPU, else
+    :class:`PassThrough`."""
+    if device.type != "cuda":
+        return PassThrough(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _CUDA_LOCK:
+        if index not in _CUDA:
+            _CUDA[index] = CudaTransfers(torch.device("cuda", index))
+        return _CUDA[index]
