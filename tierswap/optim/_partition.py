@@ -167,6 +167,14 @@ class Slot:
             per_state = [numel, 4 * num_blocks(numel), 4 * numel]
         return per_state * len(self.state_itemsizes)
 
+    def scratch_buffers(self, numel: int) -> list[int]:
+        """Bytes of the work buffers among :meth:`state_buffers` and :meth:`master_buffers`
+        (fp32 scratch a compact state decodes into, a master's joined fp32 copy, the
+        gradient's cast, the split parameter): what the step writes that is not read or
+        written back, so it can come from memory reused across slices."""
+        scratch = [] if self.stored_precision == "fp32" else [4 * numel] * len(self.state_itemsizes)
+        return scratch + self.master_buffers(numel)[1:]
+
     def master_buffers(self, numel: int) -> list[int]:
         """Bytes of each buffer a segment of ``numel`` elements holds for its master: the fp32
         master and the gradient's cast; for a remainder, the remainder, the master joined into
@@ -246,6 +254,14 @@ class Segment:
             return self.slot.state_bytes + master + _footprint(numel * 4) * WHOLE_TEMPORARIES
         return sum(_footprint(n) for n in self.slot.state_buffers(numel)) + master
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Host bytes of this segment's work buffers (:meth:`Slot.scratch_buffers`), part of
+        its working set: in whole pages, as the working set counts them."""
+        if self.numel == 0 or self.slot.whole:
+            return 0
+        return sum(_footprint(n) for n in self.slot.scratch_buffers(self.numel))
+
 
 @dataclasses.dataclass
 class Slice:
@@ -261,6 +277,11 @@ class Slice:
     @property
     def working_set(self) -> int:
         return sum(seg.working_set for seg in self.segments)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the work buffers of all segments (the step's reused scratch)."""
+        return sum(seg.scratch_bytes for seg in self.segments)
 
     @property
     def slots(self) -> list[Slot]:

@@ -507,12 +507,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             slice_reads(piece, self._state.names),
             piece.working_set,
             tier=self._layout.placement.get(piece.index),
+            scratch=piece.scratch_bytes if self.compute_device.type == "cpu" else 0,
         )
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
         piece = self._layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        writes = step_slice(plan, piece, tensors)
+        writes = step_slice(plan, piece, tensors, self._backend.pipeline.scratch(job))
         self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real
