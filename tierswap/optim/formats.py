@@ -28,8 +28,9 @@ Why not call torchao's quantizer: the tests compare this one with torchao's
 (``torchao.optim.quant_utils``: same map, codes, scales and dequantised values), which runs on
 the CPU, but torchao is no dependency of tierswap, importing it on a CPU-only torch tries (and
 loudly fails) to load CUDA extensions, and ``quantize_8bit_with_qmap`` returns new tensors after
-eight gather passes with int64 temporaries the size of the input. Here two look-ups in tables
-worked out once write the same codes into the caller's array, tens of times faster. Two
+eight gather passes with int64 temporaries the size of the input. Here one look-up in a table
+worked out once and a few integer passes write the same codes into the caller's array, tens of
+times faster (``bench/codec.py`` times each codec against an fp32 copy). Two
 deliberate differences: torchao floors the scale at ``1e-12``, which coarsens second moments
 whose block maximum is under ``1e-12`` (gradients under ``1e-6``), where this floor is the
 smallest normal fp32, there only to keep ``0 / 0`` out; and the last block may be partial
@@ -367,18 +368,45 @@ def _code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return base.to(torch.uint8), step
 
 
+@functools.cache
+def _code_offsets(signed: bool) -> torch.Tensor:
+    """The codes of :func:`_code_tables` as one int32 look-up and integer adds.
+
+    Write a scaled value's bits as an int32 ``b = (h << 16) + low`` (``h`` its upper half,
+    read unsigned as the index, and ``low`` its lower 16 bits). Within one upper half the code
+    is ``base[h]`` plus one where the value has reached the half's threshold, whose lower bits
+    are ``t``: where ``low >= t`` for a positive value, ``low <= t`` for a negative one (its
+    magnitude grows with ``low``). With ``k = b`` for a positive value and ``k = ~b`` (``-b -
+    1``) for a negative one, both are ``(k + offset[h]) >> 16`` for the offsets below: the sum
+    stays in ``[0, 2**24)``, so the code is its third byte. One gather and three integer
+    passes instead of two gathers, a float comparison and an add.
+    """
+    base, step = _code_tables(signed)
+    h = torch.arange(1 << 16, dtype=torch.int64)
+    signed_h = torch.where(h >= 1 << 15, h - (1 << 16), h)
+    has_step = ~step.isnan()
+    step_low = step.view(torch.int32).to(torch.int64) & 0xFFFF
+    code = base.to(torch.int64) << 16
+    positive = code + (1 << 16) - torch.where(has_step, step_low, 1 << 16) - (signed_h << 16)
+    negative = code + (1 << 16) + torch.where(has_step, step_low, -1) + (signed_h << 16) + 1
+    return torch.where(signed_h >= 0, positive, negative).to(torch.int32)
+
+
 def _nearest_codes(
     scaled: torch.Tensor, out: torch.Tensor, signed: bool, scratch: Sequence[torch.Tensor]
 ) -> None:
     """``out`` (uint8) = the codes of the map entries nearest to ``scaled`` (see
-    :func:`_code_tables`), with ``scratch`` int32, fp32 and bool arrays at least as long."""
-    base, step = (t.to(scaled.device) for t in _code_tables(signed))
-    upper, threshold, up = (t[: scaled.numel()] for t in scratch)
-    torch.bitwise_right_shift(scaled.view(torch.int32), 16, out=upper).bitwise_and_(0xFFFF)
-    torch.index_select(base, 0, upper, out=out)
-    torch.index_select(step, 0, upper, out=threshold)
-    torch.ge(scaled, threshold, out=up)
-    out.add_(up)
+    :func:`_code_offsets`), with ``scratch`` two int32 arrays at least as long. ``scaled``
+    is overwritten."""
+    offsets = _code_offsets(signed).to(scaled.device)
+    index, total = (t[: scaled.numel()] for t in scratch)
+    bits = scaled.view(torch.int32)
+    torch.bitwise_right_shift(bits, 16, out=index).bitwise_and_(0xFFFF)
+    torch.index_select(offsets, 0, index, out=total)
+    torch.bitwise_right_shift(bits, 31, out=index)  # ~b for negative b: b ^ (b >> 31)
+    bits.bitwise_xor_(index)
+    total.add_(bits).bitwise_right_shift_(16)
+    out.copy_(total)
 
 
 def encode_8bit(
@@ -397,7 +425,7 @@ def encode_8bit(
     n = src.numel()
     codes_out = _result(codes, n, torch.uint8, "codes", src.device)
     absmax_out = _result(absmax, num_blocks(n, block_size), torch.float32, "absmax", src.device)
-    dtypes = (torch.float32, torch.int32, torch.float32, torch.bool)
+    dtypes = (torch.float32, torch.int32, torch.int32)
     scaled, *scratch = _scratch(min(n, _piece_len(block_size)), src.device, *dtypes)
     for lo, hi in _pieces(n, block_size):
         blocks = absmax_out[lo // block_size : num_blocks(hi, block_size)]
