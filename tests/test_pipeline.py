@@ -183,7 +183,9 @@ def test_work_buffers_come_from_the_pool_and_are_reused(store, monkeypatch) -> N
 
     def work(job, tensors):
         buf = pipeline.scratch(job)
-        assert buf is not None and buf.numel() >= CHUNK and buf.dtype == torch.uint8
+        assert buf is not None
+        assert buf.numel() >= CHUNK
+        assert buf.dtype == torch.uint8
         assert pipeline.held <= pipeline.budget
         seen.append(buf.data_ptr())
         buf.fill_(7)  # its contents are the work's own
