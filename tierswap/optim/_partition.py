@@ -23,6 +23,7 @@ from tierswap.optim.formats import (
     MIN_8BIT_NUMEL,
     MomentFormat,
     StatePrecision,
+    StoredArray,
     num_blocks,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "Segment",
     "Slice",
     "Slot",
+    "array_chunk_bytes",
     "check_budget",
     "chunk_target",
     "master_dtype",
@@ -142,6 +144,16 @@ class Slot:
         if self.stored_precision == "fp32":
             return None
         return MomentFormat.for_state(name, self.local.numel(), self.stored_precision)
+
+    def chunk_overrides(self, name: str, chunk_bytes: int) -> dict[str, int]:
+        """The chunk size of each array of state ``name`` that does not take the store's
+        ``chunk_bytes`` (key -> bytes): see :func:`array_chunk_bytes`."""
+        fmt = self.moment_format(name)
+        if fmt is None:
+            return {}
+        arrays = fmt.arrays(name, self.local.numel())
+        chunks = {f"{self.prefix}/{a.name}": array_chunk_bytes(a, chunk_bytes) for a in arrays}
+        return {key: chunk for key, chunk in chunks.items() if chunk is not None}
 
     def state_keys(self, name: str) -> list[str]:
         """The keys of the arrays that store state ``name``."""
@@ -337,6 +349,19 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
     if current:
         slices.append(Slice(len(slices), current))
     return slices
+
+
+def array_chunk_bytes(array: StoredArray, chunk_bytes: int) -> int | None:
+    """The chunk size of a stored array whose elements stand for several of its tensor's
+    (8-bit scales: one per block), so that a chunk of it covers the elements of one chunk of
+    ``chunk_bytes`` one-byte codes, which slices cut at: a slice then reads and writes its
+    scales as whole chunks, not as part of a chunk shared with its neighbours (read whole and
+    rewritten). At least a page: with codes chunks under ``ALIGN * covers / itemsize`` bytes
+    (256 KiB for fp32 scales of 256-element blocks) a scales chunk spans several slices.
+    ``None`` for the other arrays: they take the store's chunk size."""
+    if array.covers == 1:
+        return None
+    return max(chunk_bytes * array.dtype.itemsize // array.covers, ALIGN)
 
 
 def chunk_target(slots: Sequence[Slot], target_bytes: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from tierswap.config import ALIGN
-from tierswap.optim._partition import Segment, Slice, Slot, local_tensor
+from tierswap.optim._partition import Segment, Slice, Slot, array_chunk_bytes, local_tensor
 from tierswap.optim.formats import MomentFormat, join, split
 from tierswap.pipeline import Region
 
@@ -54,7 +54,8 @@ class StepPlan:
     """What one ``step()`` hands to the work of each slice.
 
     ``small_after`` is filled in: the scalar state (``step`` counters, ...) of each stepped slot.
-    ``create`` makes a stored array for state that the step created (first step only).
+    ``create`` makes a stored array for state that the step created (first step only), with
+    its own chunk size where it does not take the store's.
     ``inners`` holds the torch optimizer that steps each param group (by group index).
     """
 
@@ -65,7 +66,8 @@ class StepPlan:
     state_names: dict[int, list[str]]
     small_before: dict[int, dict[str, Any]]
     write_params: bool
-    create: Callable[[str, tuple[int, ...], torch.dtype], None]
+    create: Callable[[str, tuple[int, ...], torch.dtype, int | None], None]
+    chunk_bytes: int  # the store's chunk size, which slices cut parameters at
     small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
     #: returned); ``None``: read ``param.grad`` when the slice steps.
@@ -305,10 +307,10 @@ def _create(
     """Create the stored arrays of state ``name``, made by the first step."""
     if fmt is None:
         shape = value.shape if slot.whole else slot.local.shape
-        plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype)
+        plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype, None)
         return
     for key, array in zip(slot.state_keys(name), fmt.arrays(name, slot.local.numel()), strict=True):
-        plan.create(key, (array.numel,), array.dtype)
+        plan.create(key, (array.numel,), array.dtype, array_chunk_bytes(array, plan.chunk_bytes))
 
 
 def _encoded(

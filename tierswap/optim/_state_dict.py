@@ -488,6 +488,7 @@ def _replace_states(
     """Give each slot its new state, all or nothing: every tensor (and refreshed master) is
     written first, in one all-or-none put; only then are old names dropped and scalars set."""
     tensors: dict[str, torch.Tensor] = {}
+    chunks: dict[str, int] = {}
     names: dict[int, list[str]] = {}
     smalls: dict[int, dict[str, Any]] = {}
     for slot, state in states:
@@ -495,6 +496,7 @@ def _replace_states(
         for name, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors.update(_stored_state(slot, name, local_tensor(value)))
+                chunks.update(slot.chunk_overrides(name, optimizer._chunk_bytes))
                 names[slot.index].append(name)
             else:
                 smalls[slot.index][name] = value
@@ -502,7 +504,7 @@ def _replace_states(
             tensors[slot.master_key] = master_of(slot, slot.local)
         if slot.remainder:  # the parameter the zero remainder belongs to
             tensors[slot.param_key] = slot.local.detach().to("cpu")
-    backend.put_many(tensors)
+    backend.put_many(tensors, chunks)
     for slot, _state in states:
         for name in step_state.names.pop(slot.index, []):
             if name not in names[slot.index]:

@@ -151,11 +151,14 @@ def bytes_per_element(precision: StatePrecision, block_size: int = BLOCK_SIZE) -
 
 @dataclasses.dataclass(frozen=True)
 class StoredArray:
-    """One array stored for a state tensor: its name (an array key segment), dtype and length."""
+    """One array stored for a state tensor: its name (an array key segment), dtype and length,
+    and how many of the tensor's elements each of its elements stands for (``covers``: the
+    block size for 8-bit scales, else 1)."""
 
     name: str
     dtype: torch.dtype
     numel: int
+    covers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +201,10 @@ class MomentFormat:
             return [
                 StoredArray(f"{state_name}.codes", torch.uint8, numel),
                 StoredArray(
-                    f"{state_name}.absmax", torch.float32, num_blocks(numel, self.block_size)
+                    f"{state_name}.absmax",
+                    torch.float32,
+                    num_blocks(numel, self.block_size),
+                    self.block_size,
                 ),
             ]
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32

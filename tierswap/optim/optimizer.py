@@ -494,6 +494,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             small_before=self._state.small,
             write_params=self._commit_due(),
             create=self._backend.create,
+            chunk_bytes=self._layout.chunk_bytes,
         )
 
     def _commit_due(self) -> bool:
