@@ -241,11 +241,76 @@ def test_bytes_read_and_written_per_parameter_per_step(
     dtype: torch.dtype, settings: dict[str, Any], expected: float, tmp_path: Any
 ) -> None:
     read, written = _bytes_per_step(dtype, tmp_path, **settings)
-    # 8-bit scales cover 64x more elements per chunk than codes: a slice's absmax region is
-    # part of a chunk, read whole (and rewritten whole); at most one chunk per array and slice
+    # Codes chunks here are under 256 KiB, so a page of 8-bit scales (their smallest chunk)
+    # spans several slices: it is read whole (and rewritten whole) by each of them.
     slack = 0.5 if settings.get("state_precision") == "8bit" else 0.0
     assert expected <= read <= expected + slack, read
     assert expected <= written <= expected + slack, written
+
+
+class Large(torch.nn.Module):
+    """2M elements in two weights: with a 16 MiB budget everything streams and 8-bit codes
+    get 256 KiB chunks, from which a scales chunk covers exactly one codes chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(1024, 1024, bias=False)
+        self.b = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_8bit_scales_have_chunks_of_their_own_read_and_written_whole(tmp_path: Any) -> None:
+    model = Large()
+    numel = sum(p.numel() for p in model.parameters())
+    settings = {"swap_dir": tmp_path / "s", "commit_every": 0, "host_budget": "16MiB"}
+    with _swap(model, "adamw", state_precision="8bit", **settings) as swap:
+        assert not swap.placement, "a slice stayed resident"
+        store = swap._backend.store
+        traffic = []
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            before = swap.tier_stats()["nvme"]
+            swap.step()
+            swap.synchronize()
+            after = swap.tier_stats()["nvme"]
+            traffic.append(
+                [(after[k] - before[k]) / numel for k in ("bytes_read", "bytes_written")]
+            )
+        codes = store.info("p0/exp_avg.codes").chunk_bytes
+        assert codes >= 256 << 10
+        assert store.info("p0/exp_avg.absmax").chunk_bytes == codes * 4 // 256
+        assert store.info("p0/exp_avg_sq.absmax").chunk_bytes == codes * 4 // 256
+    assert traffic[-1] == [2 * (1 + 4 / 256)] * 2  # codes and scales of two moments, exactly
+
+
+def test_resume_keeps_a_folders_scale_chunking(tmp_path: Any, monkeypatch: Any) -> None:
+    """A folder whose 8-bit scales share the codes' chunk size (as written before scales had
+    chunks of their own) resumes, steps bitwise and keeps its chunking."""
+    import tierswap.optim._slice_step as slice_step
+
+    plain, swapped = _pair(torch.float32, Large)
+    reference = Reference(plain, "adamw", "8bit")
+    settings = {"state_precision": "8bit", "swap_dir": tmp_path / "s", "host_budget": "16MiB"}
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(8, 1024, generator=gen) for _ in range(4)]
+    with monkeypatch.context() as patch:
+        patch.setattr(slice_step, "array_chunk_bytes", lambda array, chunk_bytes: None)
+        with _swap(swapped, "adamw", **settings) as swap:
+            for x in xs[:2]:
+                reference.step(x)
+                _swap_step(swapped, swap, x)
+            shared = swap._backend.store.info("p0/exp_avg.absmax").chunk_bytes
+    assert shared > 4096  # (1M / 256) * 4 bytes in one chunk, not the page the scales get now
+    with _swap(swapped, "adamw", resume=True, **settings) as swap:
+        assert swap._backend.store.info("p0/exp_avg.absmax").chunk_bytes == shared
+        for x in xs[2:]:
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+        _assert_same(plain, swapped)
+        _assert_state_equal(reference, swap)
 
 
 def test_resume_after_close_continues_bitwise(tmp_path: Any) -> None:
