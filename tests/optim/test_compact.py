@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.optim.compact_reference import CompactReference, backward
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim._partition import Segment
-from tierswap.optim.formats import MomentFormat, join, round_half_up_bf16
+from tierswap.optim.formats import MomentFormat, join
 
 #: Inner optimizers and their keywords: moments of both signs, an amsgrad maximum, a momentum.
 CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -60,52 +61,15 @@ def _inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
 
 
-def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
-    model.zero_grad()
-    model(x).float().square().mean().backward()
+_backward = backward
 
 
-class Reference:
-    """torch's optimizer on fp32 tensors in memory, with the moments rounded through the
-    compact format after every step and masters cast to the bf16 parameters."""
-
-    def __init__(
-        self, model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
-    ) -> None:
-        optimizer_class, kwargs = CASES[name]
-        self.model, self.precision, self.master = model, precision, master
-        self.low = next(model.parameters()).dtype != torch.float32
-        params = list(model.parameters())
-        self.masters = [p.detach().float().clone() for p in params] if self.low else params
-        self.opt = optimizer_class(self.masters, **kwargs)
-
-    @torch.no_grad()
-    def round_moments(self) -> None:
-        for state in self.opt.state.values():
-            for name, value in state.items():
-                if not (torch.is_tensor(value) and value.dim() > 0):
-                    continue
-                fmt = MomentFormat.for_state(name, value.numel(), self.precision)  # type: ignore[arg-type]
-                stored = [
-                    torch.empty(a.numel, dtype=a.dtype) for a in fmt.arrays(name, value.numel())
-                ]
-                fmt.encode(value.reshape(-1), stored)
-                fmt.decode(stored, value.view(-1))
-
-    def step(self, x: torch.Tensor) -> None:
-        _backward(self.model, x)
-        if self.low:
-            for master, param in zip(self.masters, self.model.parameters(), strict=True):
-                master.grad = param.grad.float()
-        self.opt.step()
-        self.round_moments()
-        if self.low:
-            with torch.no_grad():
-                for master, param in zip(self.masters, self.model.parameters(), strict=True):
-                    if self.master == "remainder":
-                        param.copy_(round_half_up_bf16(master.contiguous()).view(param.shape))
-                    else:
-                        param.copy_(master)
+def Reference(  # noqa: N802 (reads as the class it makes)
+    model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
+) -> CompactReference:
+    """The reference loop for the optimizer ``CASES[name]``."""
+    optimizer_class, kwargs = CASES[name]
+    return CompactReference(model, optimizer_class, kwargs, precision, master=master)
 
 
 def _pair(dtype: torch.dtype, model_class: type[torch.nn.Module] = Net) -> tuple[Any, Any]:
@@ -130,7 +94,7 @@ def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"{name} differs"
 
 
-def _assert_state_equal(reference: Reference, swap: SwapOptimizer) -> None:
+def _assert_state_equal(reference: CompactReference, swap: SwapOptimizer) -> None:
     saved = swap.state_dict()["state"]
     for index, master in enumerate(reference.masters):
         for key, value in reference.opt.state[master].items():

@@ -24,6 +24,7 @@ from tierswap.optim.formats import (
     MomentFormat,
     StatePrecision,
     StoredArray,
+    is_moment,
     num_blocks,
 )
 
@@ -94,6 +95,7 @@ class Slot:
     whole_state: StateShapes | None = None
     precision: StatePrecision = "fp32"
     remainder: bool = False
+    state_names: tuple[str, ...] = ()  # the names of the per-element state, as probed
 
     @property
     def whole(self) -> bool:
@@ -129,9 +131,13 @@ class Slot:
     @property
     def stored_precision(self) -> StatePrecision:
         """The format of the slot's per-element state (fp32 where compact state does not
-        apply: a parameter stepped whole, state not in fp32, 8-bit under ``MIN_8BIT_NUMEL``)."""
+        apply: a parameter stepped whole, state not in fp32 or not all moments (ASGD's ``ax``,
+        Rprop's ``prev``: :func:`~tierswap.optim.formats.is_moment`), 8-bit under
+        ``MIN_8BIT_NUMEL``)."""
         numel = self.local.numel()
         if self.whole or any(size != 4 for size in self.state_itemsizes):
+            return "fp32"
+        if not all(is_moment(name) for name in self.state_names):
             return "fp32"
         if master_dtype(self.param) != torch.float32:
             return "fp32"

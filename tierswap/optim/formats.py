@@ -84,6 +84,7 @@ __all__ = [
     "decode_bf16",
     "encode_8bit",
     "encode_bf16",
+    "is_moment",
     "is_unsigned",
     "join",
     "master_arrays",
@@ -105,6 +106,15 @@ MIN_8BIT_NUMEL = 4096
 _UNSIGNED_STATES = frozenset(
     {"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "sum"}
     | {"row_var", "col_var", "variance"}
+)
+#: State that torch's per-element optimizers keep as running statistics of the gradient (the
+#: moments :func:`is_moment` names): what a compact ``state_precision`` applies to. Any other
+#: per-element state (ASGD's parameter average ``ax``, Rprop's ``prev`` gradient and per-element
+#: ``step_size``, a custom optimizer's) is not a moment: an optimizer keeping such state keeps
+#: all of its state in fp32, exactly.
+_MOMENTS = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer"}
+    | {"square_avg", "grad_avg", "acc_delta", "sum"}
 )
 _PIECE = 1 << 16  # elements per piece of work: temporaries stay at a few hundred KiB
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
@@ -137,6 +147,13 @@ def is_unsigned(state_name: str) -> bool:
     """Whether torch's optimizers keep state ``state_name`` non-negative (unsigned 8-bit map);
     names not known here get the signed map, which serves any sign."""
     return state_name in _UNSIGNED_STATES
+
+
+def is_moment(state_name: str) -> bool:
+    """Whether state ``state_name`` of torch's per-element optimizers is a moment (a running
+    statistic of the gradient: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``sum``,
+    ...), which a compact ``state_precision`` may store; other state stays fp32."""
+    return state_name in _MOMENTS
 
 
 def num_blocks(numel: int, block_size: int = BLOCK_SIZE) -> int:

@@ -236,7 +236,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         optimizer_class = group.get("optimizer_class", type(self._inner))
         check_class(optimizer_class)
         inner = self._inner_of(optimizer_class)
-        probes: dict[torch.dtype, tuple[bool, tuple[int, ...]]] = {}
+        probes: dict[torch.dtype, tuple[bool, dict[str, int]]] = {}
         names = group.get("param_names") or [None] * len(group["params"])
         slots: list[Slot] = []
         for param, name in zip(group["params"], names, strict=True):
@@ -248,13 +248,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                     f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
                     "steps flat slices of parameters: call .contiguous() on it before training"
                 )
-            cut, itemsizes = probes[dtype]
+            cut, state = probes[dtype]
             whole = None if cut else whole_state(optimizer_class, group, param, name)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             key = key_prefix(name) if name is not None else ""
             slots.append(
                 Slot(
-                    first + len(slots), param, group_index, has_master, itemsizes, name, key,
+                    first + len(slots), param, group_index, has_master,
+                    tuple(state.values()), name, key, state_names=tuple(state),
                     whole_state=whole, precision=self._config.state_precision,
                     remainder=self._config.master == "remainder" and param.dtype == torch.bfloat16,
                 )
