@@ -252,8 +252,9 @@ class Pipeline:
         contents undefined), for its work to use while it runs; ``None`` when it asked for none.
         It is taken from the pool with the job's read buffers, held as long as they are (a
         resident job keeps it) and then reused by later jobs: do not keep it past the work."""
-        held = self._scratch.get(job.name)
-        return held[-1] if held else None
+        with self._cv:  # write-behinds of the job's last pass may give theirs back meanwhile
+            held = self._scratch.get(job.name)
+            return held[-1] if held else None
 
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
