@@ -400,7 +400,7 @@ def test_stored_arrays_list_each_formats_arrays() -> None:
     ]
     assert stored_arrays("exp_avg_sq", numel, "8bit") == [
         StoredArray("exp_avg_sq.codes", torch.uint8, numel),
-        StoredArray("exp_avg_sq.absmax", torch.float32, num_blocks(numel)),
+        StoredArray("exp_avg_sq.absmax", torch.float32, num_blocks(numel), covers=BLOCK_SIZE),
     ]
     small = MIN_8BIT_NUMEL - 1
     assert stored_arrays("exp_avg", small, "8bit") == [StoredArray("exp_avg", torch.float32, small)]
