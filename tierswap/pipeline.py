@@ -492,10 +492,15 @@ class Pipeline:
     # ------------------------------------------------------------------ budget and buffers
     def _wait_for_room(self, job: Job) -> list[torch.Tensor | None]:
         """Reserve ``job``'s bytes, waiting for write-behinds if need be; the idle buffers it
-        reuses (claimed only when it need not wait: claimed buffers are on no books)."""
+        reuses. Each finished write-behind gives its buffers back: the job claims them as soon
+        as the room is there (claimed buffers are on no books while it waits, so it claims
+        none before). Without writes in flight, :meth:`_reserve` makes the room."""
         sizes = self._buffer_sizes(job)
         with self._cv:
             claimed = self._claim_and_reserve(job, sizes)
+            while claimed is None and self._writes:
+                self._cv.wait()
+                claimed = self._claim_and_reserve(job, sizes)
             if claimed is None:
                 self._reserve(job.nbytes)
                 claimed = [None] * len(sizes)
@@ -508,6 +513,8 @@ class Pipeline:
         pool is trimmed for the reservation: a job reuses them instead of faulting in new
         memory. The caller holds the condition."""
         host = self._ledgers[HOST]
+        if host.free < job.nbytes:  # no room even without idle buffers: trim nothing
+            return None
         claimed = self._pool.claim(sizes)
         self._pool.trim(max(host.free - job.nbytes, 0))
         if host.try_reserve(job.nbytes):
@@ -524,10 +531,11 @@ class Pipeline:
                 f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
                 f"bytes beside {resident} resident bytes; raise the budget"
             )
-        self._pool.trim(max(host.free - nbytes, 0))
         # Write-behinds free room as they finish. Without any in flight, what holds the room
         # is resident jobs (checked above) and reads started ahead for this pass: drop those.
-        while not host.try_reserve(nbytes):
+        # Idle pooled buffers are trimmed only once the room is there (they hold none of the
+        # ledger's room; trimming earlier would only free buffers the next reads could reuse).
+        while host.free < nbytes:
             if self._writes:
                 self._cv.wait()
             elif self._reading:
@@ -536,10 +544,10 @@ class Pipeline:
                     self._drop_reading(next(reversed(self._reading)))
                 finally:
                     self._cv.acquire()
-            else:  # only the pool's idle buffers are left to free
-                self._pool.trim(max(host.free - nbytes, 0))
-                host.reserve(nbytes, can_wait=lambda: False)
-                return
+            else:
+                break
+        self._pool.trim(max(host.free - nbytes, 0))
+        host.reserve(nbytes, can_wait=lambda: False)
 
     def _buffer_sizes(self, job: Job) -> list[int]:
         """Bytes of the buffers ``job`` takes from the pool: one per read, then its scratch."""
