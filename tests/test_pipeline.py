@@ -159,3 +159,54 @@ def test_failing_work_on_a_resident_job_keeps_it_resident(store) -> None:
     assert pipeline.resident("small") is not None
     pipeline.flush()
     assert torch.equal(store.get("a"), 2 * torch.arange(100.0))
+
+
+def _scratch_jobs() -> list[Job]:
+    """Four jobs of one chunk of ``big`` each, asking for a one-chunk work buffer."""
+    reads = [(Region("big", 1024 * i, 1024 * (i + 1)),) for i in range(4)]
+    return [Job(i, r, 2 * CHUNK, scratch=CHUNK) for i, r in enumerate(reads)]
+
+
+def test_work_buffers_come_from_the_pool_and_are_reused(store, monkeypatch) -> None:
+    import tierswap.engine._pool as pool_module
+
+    allocated: list[int] = []
+    allocate = pool_module.allocate
+
+    def counting(shape, dtype, device=None, **kw):
+        allocated.append(int(shape[0]))
+        return allocate(shape, dtype, device, **kw)
+
+    monkeypatch.setattr(pool_module, "allocate", counting)
+    pipeline = Pipeline(store, budget=2 * 2 * CHUNK)  # two jobs at once: a tight budget
+    seen: list[int] = []
+
+    def work(job, tensors):
+        buf = pipeline.scratch(job)
+        assert buf is not None
+        assert buf.numel() >= CHUNK
+        assert buf.dtype == torch.uint8
+        assert pipeline.held <= pipeline.budget
+        seen.append(buf.data_ptr())
+        buf.fill_(7)  # its contents are the work's own
+        return _double(job, tensors)
+
+    for _ in range(3):
+        pipeline.run(_scratch_jobs(), work)
+        pipeline.drain()
+    first_pass = len(allocated)
+    pipeline.run(_scratch_jobs(), work)
+    pipeline.drain()
+    assert len(allocated) == first_pass, "a later pass faulted in new buffers"
+    assert len(set(seen)) <= 4  # two jobs in flight, each with a read and a work buffer
+    assert pipeline.held == 0
+    assert torch.equal(store.get("big")[:4096], 16 * torch.arange(4096.0))
+
+
+def test_a_job_without_scratch_gets_none_and_scratch_is_part_of_nbytes(store) -> None:
+    pipeline = Pipeline(store, budget=4 * CHUNK)
+    job = Job("a", (Region("a", 0, 100),), CHUNK)
+    pipeline.run([job], lambda j, t: (pipeline.scratch(j), {})[1])
+    assert pipeline.scratch(job) is None
+    with pytest.raises(ts.errors.ConfigError, match="scratch"):
+        Job("b", (), CHUNK, scratch=2 * CHUNK)

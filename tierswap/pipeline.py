@@ -88,6 +88,9 @@ class Job:
     ``nbytes`` must cover the read buffers and anything the work allocates that lives until the
     write-behind ends (e.g. state created on a first pass). A job with a ``tier`` (``"device"``
     or ``"host"``) keeps its tensors there between passes; ``resident=True`` is ``tier="host"``.
+    ``scratch`` asks for a work buffer of that many bytes (part of ``nbytes``), handed to the
+    work by :meth:`Pipeline.scratch` from the pipeline's buffer pool: memory reused from one
+    job to the next, so that the work's temporaries do not pay a page fault per 4 KiB each time.
     """
 
     name: Hashable
@@ -95,10 +98,16 @@ class Job:
     nbytes: int
     resident: bool = False
     tier: TierName | None = None
+    scratch: int = 0
 
     def __post_init__(self) -> None:
         if self.tier not in (None, DEVICE, HOST):
             raise ConfigError(f"Job.tier={self.tier!r} must be None, 'device' or 'host'")
+        if not 0 <= self.scratch <= self.nbytes:
+            raise ConfigError(
+                f"Job.scratch={self.scratch} must be between 0 and nbytes={self.nbytes}: the "
+                "work buffer is part of the job's bytes"
+            )
         if self.resident and self.tier is None:
             object.__setattr__(self, "tier", HOST)
 
@@ -190,21 +199,24 @@ class Pipeline:
         self._unsent: dict[Future[None], tuple[Region, ...]] = {}
         self._errors: list[BaseException] = []
         self._pool = BufferPool()
+        # Work buffers by job name, oldest first: a job may be read again for the next pass
+        # while its last write-behind (which still holds its buffer) is in flight.
+        self._scratch: dict[Hashable, list[torch.Tensor]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
     def prefetch(self, jobs: Iterable[Job]) -> None:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks."""
-        host = self._ledgers[HOST]
         for job in jobs:
             if job.name in self._reading or job.name in self._resident or self._unsent_to(job):
                 continue
+            sizes = self._buffer_sizes(job)
             with self._cv:
-                self._pool.trim(max(host.free - job.nbytes, 0))
-                if not host.try_reserve(job.nbytes):
-                    return
-            self._start_reads(job)
+                claimed = self._claim_and_reserve(job, sizes)
+            if claimed is None:
+                return
+            self._start_reads(job, claimed)
 
     def run(self, jobs: Sequence[Job], work: Work) -> None:
         """Run every job through read-ahead, ``work`` and write-behind, in order.
@@ -235,6 +247,15 @@ class Pipeline:
             self._finish(job, tensors, staged, writes)
             self.prefetch(jobs[position + 1 :])
 
+    def scratch(self, job: Job) -> torch.Tensor | None:
+        """The work buffer of ``job`` (``job.scratch`` bytes or more, uint8, page-aligned, its
+        contents undefined), for its work to use while it runs; ``None`` when it asked for none.
+        It is taken from the pool with the job's read buffers, held as long as they are (a
+        resident job keeps it) and then reused by later jobs: do not keep it past the work."""
+        with self._cv:  # write-behinds of the job's last pass may give theirs back meanwhile
+            held = self._scratch.get(job.name)
+            return held[-1] if held else None
+
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
         if job.name in self._resident:
@@ -248,8 +269,7 @@ class Pipeline:
         if job.name not in self._reading:
             for handed in self._unsent_to(job):  # read what the store will hold, not before
                 handed.exception()
-            self._wait_for_room(job.nbytes)
-            self._start_reads(job)
+            self._start_reads(job, self._wait_for_room(job))
         reading = self._reading.pop(job.name)
         try:
             reading.done.result()
@@ -470,46 +490,96 @@ class Pipeline:
         self._give_back(job, tensors)
 
     # ------------------------------------------------------------------ budget and buffers
-    def _wait_for_room(self, nbytes: int) -> None:
-        host = self._ledgers[HOST]
+    def _wait_for_room(self, job: Job) -> list[torch.Tensor | None]:
+        """Reserve ``job``'s bytes, waiting for write-behinds if need be; the idle buffers it
+        reuses. Each finished write-behind gives its buffers back: the job claims them as soon
+        as the room is there (claimed buffers are on no books while it waits, so it claims
+        none before). Without writes in flight, :meth:`_reserve` makes the room."""
+        sizes = self._buffer_sizes(job)
         with self._cv:
-            resident = self._resident_total(HOST)
-            if resident + nbytes > self.budget:
-                raise BudgetError(
-                    f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
-                    f"bytes beside {resident} resident bytes; raise the budget"
-                )
-            self._pool.trim(max(host.free - nbytes, 0))
-            # Write-behinds free room as they finish. Without any in flight, what holds the room
-            # is resident jobs (checked above) and reads started ahead for this pass: drop those.
-            while not host.try_reserve(nbytes):
-                if self._writes:
-                    self._cv.wait()
-                elif self._reading:
-                    self._cv.release()
-                    try:
-                        self._drop_reading(next(reversed(self._reading)))
-                    finally:
-                        self._cv.acquire()
-                else:  # only the pool's idle buffers are left to free
-                    self._pool.trim(max(host.free - nbytes, 0))
-                    host.reserve(nbytes, can_wait=lambda: False)
-                    return
+            claimed = self._claim_and_reserve(job, sizes)
+            while claimed is None and self._writes:
+                self._cv.wait()
+                claimed = self._claim_and_reserve(job, sizes)
+            if claimed is None:
+                self._reserve(job.nbytes)
+                claimed = [None] * len(sizes)
+        return claimed
 
-    def _start_reads(self, job: Job) -> None:
+    def _claim_and_reserve(self, job: Job, sizes: list[int]) -> list[torch.Tensor | None] | None:
+        """Reserve ``job``'s bytes at once and claim the idle buffers it reuses; ``None``
+        (nothing claimed or reserved) when the budget has no room now. Idle buffers count
+        against the room left, so the claimed ones are taken off the free list before the
+        pool is trimmed for the reservation: a job reuses them instead of faulting in new
+        memory. The caller holds the condition."""
+        host = self._ledgers[HOST]
+        if host.free < job.nbytes:  # no room even without idle buffers: trim nothing
+            return None
+        claimed = self._pool.claim(sizes)
+        self._pool.trim(max(host.free - job.nbytes, 0))
+        if host.try_reserve(job.nbytes):
+            return claimed
+        self._pool.give_all(claimed)
+        return None
+
+    def _reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` in the host ledger (the caller holds the condition)."""
+        host = self._ledgers[HOST]
+        resident = self._resident_total(HOST)
+        if resident + nbytes > self.budget:
+            raise BudgetError(
+                f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
+                f"bytes beside {resident} resident bytes; raise the budget"
+            )
+        # Write-behinds free room as they finish. Without any in flight, what holds the room
+        # is resident jobs (checked above) and reads started ahead for this pass: drop those.
+        # Idle pooled buffers are trimmed only once the room is there (they hold none of the
+        # ledger's room; trimming earlier would only free buffers the next reads could reuse).
+        while host.free < nbytes:
+            if self._writes:
+                self._cv.wait()
+            elif self._reading:
+                self._cv.release()
+                try:
+                    self._drop_reading(next(reversed(self._reading)))
+                finally:
+                    self._cv.acquire()
+            else:
+                break
+        self._pool.trim(max(host.free - nbytes, 0))
+        host.reserve(nbytes, can_wait=lambda: False)
+
+    def _buffer_sizes(self, job: Job) -> list[int]:
+        """Bytes of the buffers ``job`` takes from the pool: one per read, then its scratch."""
+        sizes = [region.numel * self._dtype(region.key).itemsize for region in job.reads]
+        return [*sizes, job.scratch] if job.scratch > 0 else sizes
+
+    def _start_reads(self, job: Job, claimed: list[torch.Tensor | None]) -> None:
+        """Start ``job``'s reads (its bytes reserved) into the ``claimed`` idle buffers, or new
+        ones from the pool where ``None``; take its scratch buffer too."""
         tensors: dict[Region, torch.Tensor] = {}
+        buffers = iter(claimed)
         try:
             futures = []
             for region in job.reads:
                 dtype = self._dtype(region.key)
                 nbytes = region.numel * dtype.itemsize
-                with self._cv:
-                    buf = self._pool.take(nbytes)
+                buf = next(buffers, None)
+                if buf is None:
+                    with self._cv:
+                        buf = self._pool.take(nbytes)
                 tensors[region] = out = buf[:nbytes].view(dtype)
                 futures.append(
                     self._store.get_region_async(region.key, region.start, region.stop, out=out)
                 )
+            if job.scratch > 0:
+                buf = next(buffers, None)
+                with self._cv:
+                    held = self._scratch.setdefault(job.name, [])
+                    held.append(buf if buf is not None else self._pool.take(job.scratch))
         except BaseException:
+            with self._cv:
+                self._pool.give_all(list(buffers))
             self._give_back(job, tensors)
             raise
         self._reading[job.name] = _Reading(job, tensors, gather(futures))
@@ -522,6 +592,11 @@ class Pipeline:
                 tensor = tensors.get(region)
                 if tensor is not None:
                     self._pool.give(tensor)
+            held = self._scratch.get(job.name)
+            if held:
+                self._pool.give(held.pop(0))  # the oldest: its pass is the one that ended
+                if not held:
+                    del self._scratch[job.name]
             host.release(job.nbytes)
             self._pool.trim(host.free)
             self._cv.notify_all()
@@ -596,6 +671,7 @@ class Pipeline:
                 if tier == HOST:
                     for tensor in tensors.values():
                         self._pool.give(tensor, owned=False)
+                self._scratch.pop(name, None)  # dropped, as the resident tensors are
                 self._ledgers[tier].release(nbytes)
             self._resident.clear()
             self._resident_in.clear()

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.optim.compact_reference import CompactReference, backward
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim._partition import Segment
-from tierswap.optim.formats import MomentFormat, join, round_half_up_bf16
+from tierswap.optim.formats import MomentFormat, join
 
 #: Inner optimizers and their keywords: moments of both signs, an amsgrad maximum, a momentum.
 CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -60,52 +61,15 @@ def _inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
 
 
-def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
-    model.zero_grad()
-    model(x).float().square().mean().backward()
+_backward = backward
 
 
-class Reference:
-    """torch's optimizer on fp32 tensors in memory, with the moments rounded through the
-    compact format after every step and masters cast to the bf16 parameters."""
-
-    def __init__(
-        self, model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
-    ) -> None:
-        optimizer_class, kwargs = CASES[name]
-        self.model, self.precision, self.master = model, precision, master
-        self.low = next(model.parameters()).dtype != torch.float32
-        params = list(model.parameters())
-        self.masters = [p.detach().float().clone() for p in params] if self.low else params
-        self.opt = optimizer_class(self.masters, **kwargs)
-
-    @torch.no_grad()
-    def round_moments(self) -> None:
-        for state in self.opt.state.values():
-            for name, value in state.items():
-                if not (torch.is_tensor(value) and value.dim() > 0):
-                    continue
-                fmt = MomentFormat.for_state(name, value.numel(), self.precision)  # type: ignore[arg-type]
-                stored = [
-                    torch.empty(a.numel, dtype=a.dtype) for a in fmt.arrays(name, value.numel())
-                ]
-                fmt.encode(value.reshape(-1), stored)
-                fmt.decode(stored, value.view(-1))
-
-    def step(self, x: torch.Tensor) -> None:
-        _backward(self.model, x)
-        if self.low:
-            for master, param in zip(self.masters, self.model.parameters(), strict=True):
-                master.grad = param.grad.float()
-        self.opt.step()
-        self.round_moments()
-        if self.low:
-            with torch.no_grad():
-                for master, param in zip(self.masters, self.model.parameters(), strict=True):
-                    if self.master == "remainder":
-                        param.copy_(round_half_up_bf16(master.contiguous()).view(param.shape))
-                    else:
-                        param.copy_(master)
+def Reference(  # noqa: N802 (reads as the class it makes)
+    model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
+) -> CompactReference:
+    """The reference loop for the optimizer ``CASES[name]``."""
+    optimizer_class, kwargs = CASES[name]
+    return CompactReference(model, optimizer_class, kwargs, precision, master=master)
 
 
 def _pair(dtype: torch.dtype, model_class: type[torch.nn.Module] = Net) -> tuple[Any, Any]:
@@ -130,7 +94,7 @@ def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"{name} differs"
 
 
-def _assert_state_equal(reference: Reference, swap: SwapOptimizer) -> None:
+def _assert_state_equal(reference: CompactReference, swap: SwapOptimizer) -> None:
     saved = swap.state_dict()["state"]
     for index, master in enumerate(reference.masters):
         for key, value in reference.opt.state[master].items():
@@ -241,11 +205,76 @@ def test_bytes_read_and_written_per_parameter_per_step(
     dtype: torch.dtype, settings: dict[str, Any], expected: float, tmp_path: Any
 ) -> None:
     read, written = _bytes_per_step(dtype, tmp_path, **settings)
-    # 8-bit scales cover 64x more elements per chunk than codes: a slice's absmax region is
-    # part of a chunk, read whole (and rewritten whole); at most one chunk per array and slice
+    # Codes chunks here are under 256 KiB, so a page of 8-bit scales (their smallest chunk)
+    # spans several slices: it is read whole (and rewritten whole) by each of them.
     slack = 0.5 if settings.get("state_precision") == "8bit" else 0.0
     assert expected <= read <= expected + slack, read
     assert expected <= written <= expected + slack, written
+
+
+class Large(torch.nn.Module):
+    """2M elements in two weights: with a 16 MiB budget everything streams and 8-bit codes
+    get 256 KiB chunks, from which a scales chunk covers exactly one codes chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(1024, 1024, bias=False)
+        self.b = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_8bit_scales_have_chunks_of_their_own_read_and_written_whole(tmp_path: Any) -> None:
+    model = Large()
+    numel = sum(p.numel() for p in model.parameters())
+    settings = {"swap_dir": tmp_path / "s", "commit_every": 0, "host_budget": "16MiB"}
+    with _swap(model, "adamw", state_precision="8bit", **settings) as swap:
+        assert not swap.placement, "a slice stayed resident"
+        store = swap._backend.store
+        traffic = []
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            before = swap.tier_stats()["nvme"]
+            swap.step()
+            swap.synchronize()
+            after = swap.tier_stats()["nvme"]
+            traffic.append(
+                [(after[k] - before[k]) / numel for k in ("bytes_read", "bytes_written")]
+            )
+        codes = store.info("p0/exp_avg.codes").chunk_bytes
+        assert codes >= 256 << 10
+        assert store.info("p0/exp_avg.absmax").chunk_bytes == codes * 4 // 256
+        assert store.info("p0/exp_avg_sq.absmax").chunk_bytes == codes * 4 // 256
+    assert traffic[-1] == [2 * (1 + 4 / 256)] * 2  # codes and scales of two moments, exactly
+
+
+def test_resume_keeps_a_folders_scale_chunking(tmp_path: Any, monkeypatch: Any) -> None:
+    """A folder whose 8-bit scales share the codes' chunk size (as written before scales had
+    chunks of their own) resumes, steps bitwise and keeps its chunking."""
+    import tierswap.optim._slice_step as slice_step
+
+    plain, swapped = _pair(torch.float32, Large)
+    reference = Reference(plain, "adamw", "8bit")
+    settings = {"state_precision": "8bit", "swap_dir": tmp_path / "s", "host_budget": "16MiB"}
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(8, 1024, generator=gen) for _ in range(4)]
+    with monkeypatch.context() as patch:
+        patch.setattr(slice_step, "array_chunk_bytes", lambda array, chunk_bytes: None)
+        with _swap(swapped, "adamw", **settings) as swap:
+            for x in xs[:2]:
+                reference.step(x)
+                _swap_step(swapped, swap, x)
+            shared = swap._backend.store.info("p0/exp_avg.absmax").chunk_bytes
+    assert shared > 4096  # (1M / 256) * 4 bytes in one chunk, not the page the scales get now
+    with _swap(swapped, "adamw", resume=True, **settings) as swap:
+        assert swap._backend.store.info("p0/exp_avg.absmax").chunk_bytes == shared
+        for x in xs[2:]:
+            reference.step(x)
+            _swap_step(swapped, swap, x)
+        _assert_same(plain, swapped)
+        _assert_state_equal(reference, swap)
 
 
 def test_resume_after_close_continues_bitwise(tmp_path: Any) -> None:

@@ -190,6 +190,28 @@ def test_8bit_codes_scales_and_values_equal_torchaos(signed: bool) -> None:
     assert torch.equal(decode_8bit(codes, absmax, signed=signed), ao_values)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_8bit_codes_count_the_thresholds_below_for_any_bit_pattern(signed: bool) -> None:
+    """The integer look-up against its definition (the number of rounding thresholds ``<=``
+    the scaled value, which the torchao test above ties to torchao's rounding): random bit
+    patterns of both signs in [-1, 1] (subnormals and -0.0 included, negative ones under the
+    unsigned map too) and every upper 16-bit half with its extreme lower halves."""
+    from tierswap.optim.formats import _thresholds
+
+    gen = _generator(7)
+    random = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 18,), generator=gen, dtype=torch.int32)
+    halves = torch.arange(1 << 16, dtype=torch.int32) << 16
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0xFFFE, 0xFFFF], dtype=torch.int32)
+    edges = (halves[:, None] | lows[None, :]).view(-1)
+    y = torch.cat([random, edges]).view(torch.float32)
+    y = y[(y.abs() <= 1) & (y.abs() > 0) | (y == 0)]  # finite, inside the map's range
+    y = torch.cat([y, torch.zeros(-y.numel() % BLOCK_SIZE)])
+    y.view(-1, BLOCK_SIZE)[:, 0] = 1.0  # each block scaled by 1: y is quantised as is
+    codes, _ = encode_8bit(y, signed=signed)
+    expected = torch.bucketize(y, _thresholds(signed), right=True)
+    assert torch.equal(codes.long(), expected)
+
+
 def test_a_non_finite_value_spoils_only_its_block() -> None:
     x = torch.randn(3 * BLOCK_SIZE)
     x[BLOCK_SIZE + 3] = math.nan
@@ -378,7 +400,7 @@ def test_stored_arrays_list_each_formats_arrays() -> None:
     ]
     assert stored_arrays("exp_avg_sq", numel, "8bit") == [
         StoredArray("exp_avg_sq.codes", torch.uint8, numel),
-        StoredArray("exp_avg_sq.absmax", torch.float32, num_blocks(numel)),
+        StoredArray("exp_avg_sq.absmax", torch.float32, num_blocks(numel), covers=BLOCK_SIZE),
     ]
     small = MIN_8BIT_NUMEL - 1
     assert stored_arrays("exp_avg", small, "8bit") == [StoredArray("exp_avg", torch.float32, small)]

@@ -177,6 +177,32 @@ def test_create_allocates_zeros_without_writing(store_path: Path) -> None:
         store.create("bad", (-1,), torch.float32)
 
 
+def test_an_array_may_have_a_chunk_size_of_its_own(store_path: Path) -> None:
+    """``chunk_bytes`` of ``create``, ``put`` and ``put_many`` sets one array's chunking;
+    regions, a reopened store and zarr-python follow each array's own."""
+    from tierswap.errors import ConfigError
+
+    value = torch.arange(8192.0)
+    with ts.SwapStore(store_path, chunk_bytes="16KiB") as store:
+        store.create("small", (8192,), torch.float32, chunk_bytes=CHUNK)
+        store.put("own", value, chunk_bytes="8KiB")
+        store.put_many({"a": value, "b": value}, chunk_bytes={"a": CHUNK})
+        store.put_region("small", 1000, value[:3000])
+        store.commit()
+        chunks = {k: store.info(k).chunk_bytes for k in ("small", "own", "a", "b")}
+        assert chunks == {"small": CHUNK, "own": 8192, "a": CHUNK, "b": 16384}
+        with pytest.raises(ConfigError, match="multiple of 4096"):
+            store.put("bad", value, chunk_bytes=1000)
+    with ts.SwapStore(store_path) as store:
+        assert store.info("small").chunk_bytes == CHUNK
+        assert torch.equal(store.get_region("small", 1000, 4000), value[:3000])
+        assert torch.equal(store.get_region("own", 2000, 6000), value[2000:6000])
+        assert store.verify() == []
+    group = zarr.open_group(store_path, mode="r")
+    assert np.array_equal(np.asarray(group["a"][:]), value.numpy())
+    assert float(np.asarray(group["small"][999:1001]).sum()) == 0.0
+
+
 def test_concurrent_region_writes_of_one_key(store_path: Path) -> None:
     """Disjoint regions of one key written from several threads, then re-read while written."""
     expected = torch.zeros(16 * 1024)

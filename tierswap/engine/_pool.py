@@ -41,6 +41,25 @@ class BufferPool:
             return free.pop()
         return allocate((capacity,), torch.uint8, self._device)
 
+    def claim(self, sizes: list[int]) -> list[torch.Tensor | None]:
+        """Idle buffers for requests of ``sizes`` bytes, taken off the free list before a
+        :meth:`trim` could free them (``None`` where none is idle): the caller reserves their
+        bytes next, or gives them back with :meth:`give_all`."""
+        claimed: list[torch.Tensor | None] = []
+        for nbytes in sizes:
+            capacity = max(round_up(nbytes, ALIGN), ALIGN)
+            free = self._free.get(capacity)
+            claimed.append(free.pop() if free else None)
+            if claimed[-1] is not None:
+                self._idle -= capacity
+        return claimed
+
+    def give_all(self, tensors: list[torch.Tensor | None]) -> None:
+        """:meth:`give` each of ``tensors`` that is not ``None``."""
+        for tensor in tensors:
+            if tensor is not None:
+                self.give(tensor)
+
     def give(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
         if not owned:
             return

@@ -146,15 +146,25 @@ class StateBackend:
             raise
 
     # -- tensors --------------------------------------------------------------------------
-    def create(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """A stored array of zeros (sparse: no data written) for state made by a first step."""
-        self.store.create(key, shape, dtype)
+    def create(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        """A stored array of zeros (sparse: no data written) for state made by a first step;
+        ``chunk_bytes``: its own chunk size (``None``: the store's)."""
+        self.store.create(key, shape, dtype, chunk_bytes=chunk_bytes)
         self.known.add(key)
 
-    def put_many(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Add or replace several keys whole, all or none (a failed write changes none)."""
+    def put_many(
+        self, tensors: dict[str, torch.Tensor], chunk_bytes: dict[str, int] | None = None
+    ) -> None:
+        """Add or replace several keys whole, all or none (a failed write changes none);
+        ``chunk_bytes``: the chunk size of the keys that do not take the store's."""
         self.pipeline.evict()
-        self.store.put_many(tensors)
+        self.store.put_many(tensors, chunk_bytes=chunk_bytes)
         self.known.update(tensors)
 
     def put_regions(self, writes: dict[Region, torch.Tensor]) -> None:

@@ -23,6 +23,8 @@ from tierswap.optim.formats import (
     MIN_8BIT_NUMEL,
     MomentFormat,
     StatePrecision,
+    StoredArray,
+    is_moment,
     num_blocks,
 )
 
@@ -34,6 +36,7 @@ __all__ = [
     "Segment",
     "Slice",
     "Slot",
+    "array_chunk_bytes",
     "check_budget",
     "chunk_target",
     "master_dtype",
@@ -92,6 +95,7 @@ class Slot:
     whole_state: StateShapes | None = None
     precision: StatePrecision = "fp32"
     remainder: bool = False
+    state_names: tuple[str, ...] = ()  # the names of the per-element state, as probed
 
     @property
     def whole(self) -> bool:
@@ -127,9 +131,13 @@ class Slot:
     @property
     def stored_precision(self) -> StatePrecision:
         """The format of the slot's per-element state (fp32 where compact state does not
-        apply: a parameter stepped whole, state not in fp32, 8-bit under ``MIN_8BIT_NUMEL``)."""
+        apply: a parameter stepped whole, state not in fp32 or not all moments (ASGD's ``ax``,
+        Rprop's ``prev``: :func:`~tierswap.optim.formats.is_moment`), 8-bit under
+        ``MIN_8BIT_NUMEL``)."""
         numel = self.local.numel()
         if self.whole or any(size != 4 for size in self.state_itemsizes):
+            return "fp32"
+        if not all(is_moment(name) for name in self.state_names):
             return "fp32"
         if master_dtype(self.param) != torch.float32:
             return "fp32"
@@ -142,6 +150,16 @@ class Slot:
         if self.stored_precision == "fp32":
             return None
         return MomentFormat.for_state(name, self.local.numel(), self.stored_precision)
+
+    def chunk_overrides(self, name: str, chunk_bytes: int) -> dict[str, int]:
+        """The chunk size of each array of state ``name`` that does not take the store's
+        ``chunk_bytes`` (key -> bytes): see :func:`array_chunk_bytes`."""
+        fmt = self.moment_format(name)
+        if fmt is None:
+            return {}
+        arrays = fmt.arrays(name, self.local.numel())
+        chunks = {f"{self.prefix}/{a.name}": array_chunk_bytes(a, chunk_bytes) for a in arrays}
+        return {key: chunk for key, chunk in chunks.items() if chunk is not None}
 
     def state_keys(self, name: str) -> list[str]:
         """The keys of the arrays that store state ``name``."""
@@ -166,6 +184,14 @@ class Slot:
         else:
             per_state = [numel, 4 * num_blocks(numel), 4 * numel]
         return per_state * len(self.state_itemsizes)
+
+    def scratch_buffers(self, numel: int) -> list[int]:
+        """Bytes of the work buffers among :meth:`state_buffers` and :meth:`master_buffers`
+        (fp32 scratch a compact state decodes into, a master's joined fp32 copy, the
+        gradient's cast, the split parameter): what the step writes that is not read or
+        written back, so it can come from memory reused across slices."""
+        scratch = [] if self.stored_precision == "fp32" else [4 * numel] * len(self.state_itemsizes)
+        return scratch + self.master_buffers(numel)[1:]
 
     def master_buffers(self, numel: int) -> list[int]:
         """Bytes of each buffer a segment of ``numel`` elements holds for its master: the fp32
@@ -246,6 +272,14 @@ class Segment:
             return self.slot.state_bytes + master + _footprint(numel * 4) * WHOLE_TEMPORARIES
         return sum(_footprint(n) for n in self.slot.state_buffers(numel)) + master
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Host bytes of this segment's work buffers (:meth:`Slot.scratch_buffers`), part of
+        its working set: in whole pages, as the working set counts them."""
+        if self.numel == 0 or self.slot.whole:
+            return 0
+        return sum(_footprint(n) for n in self.slot.scratch_buffers(self.numel))
+
 
 @dataclasses.dataclass
 class Slice:
@@ -261,6 +295,11 @@ class Slice:
     @property
     def working_set(self) -> int:
         return sum(seg.working_set for seg in self.segments)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the work buffers of all segments (the step's reused scratch)."""
+        return sum(seg.scratch_bytes for seg in self.segments)
 
     @property
     def slots(self) -> list[Slot]:
@@ -316,6 +355,19 @@ def plan_slices(slots: Sequence[Slot], target_bytes: int, chunk_bytes: int) -> l
     if current:
         slices.append(Slice(len(slices), current))
     return slices
+
+
+def array_chunk_bytes(array: StoredArray, chunk_bytes: int) -> int | None:
+    """The chunk size of a stored array whose elements stand for several of its tensor's
+    (8-bit scales: one per block), so that a chunk of it covers the elements of one chunk of
+    ``chunk_bytes`` one-byte codes, which slices cut at: a slice then reads and writes its
+    scales as whole chunks, not as part of a chunk shared with its neighbours (read whole and
+    rewritten). At least a page: with codes chunks under ``ALIGN * covers / itemsize`` bytes
+    (256 KiB for fp32 scales of 256-element blocks) a scales chunk spans several slices.
+    ``None`` for the other arrays: they take the store's chunk size."""
+    if array.covers == 1:
+        return None
+    return max(chunk_bytes * array.dtype.itemsize // array.covers, ALIGN)
 
 
 def chunk_target(slots: Sequence[Slot], target_bytes: int) -> int:

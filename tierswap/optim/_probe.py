@@ -38,6 +38,7 @@ __all__ = [
     "may_slice",
     "own_defaults",
     "probe_group",
+    "probe_state",
     "probe_state_itemsizes",
     "probe_whole_state",
     "whole_state",
@@ -127,7 +128,15 @@ def check_per_parameter(
 def probe_state_itemsizes(
     optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
 ) -> tuple[int, ...]:
-    """Element sizes of the per-element state tensors this group keeps for a ``dtype`` param.
+    """Element sizes of the per-element state tensors this group keeps for a ``dtype`` param
+    (the values of :func:`probe_state`)."""
+    return tuple(probe_state(optimizer_class, group, dtype).values())
+
+
+def probe_state(
+    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
+) -> dict[str, int]:
+    """The per-element state tensors this group keeps for a ``dtype`` param: name -> size.
 
     Steps a throw-away two-element parameter once with the group's hyper-parameters and lists
     the item sizes of the state tensors shaped like it (``exp_avg``, ``momentum_buffer``, ...).
@@ -135,9 +144,11 @@ def probe_state_itemsizes(
     """
     probe = torch.zeros(2, dtype=dtype, requires_grad=True)
     state = _step_once(optimizer_class, group, probe)
-    return tuple(
-        v.element_size() for v in state.values() if torch.is_tensor(v) and v.shape == probe.shape
-    )
+    return {
+        name: v.element_size()
+        for name, v in state.items()
+        if torch.is_tensor(v) and v.shape == probe.shape
+    }
 
 
 def probe_whole_state(
@@ -267,13 +278,14 @@ def own_defaults(params: Iterable[Any]) -> list[Any]:
 
 def probe_group(
     optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> tuple[bool, tuple[int, ...]]:
-    """Whether slices may cut this group's ``dtype`` parameters, and their per-element state's
-    element sizes (none for parameters stepped whole: :func:`whole_state` sizes those)."""
+) -> tuple[bool, dict[str, int]]:
+    """Whether slices may cut this group's ``dtype`` parameters, and their per-element state
+    (name -> element size; none for parameters stepped whole: :func:`whole_state` sizes
+    those)."""
     if not may_slice(optimizer_class, group, dtype):
-        return False, ()
+        return False, {}
     try:
-        return True, probe_state_itemsizes(optimizer_class, group, dtype)
+        return True, probe_state(optimizer_class, group, dtype)
     except Exception as exc:
         raise ConfigError(
             f"cannot size the state of {optimizer_class.__name__} for {dtype} parameters: {exc}"

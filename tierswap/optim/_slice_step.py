@@ -32,11 +32,13 @@ from typing import Any
 
 import torch
 
-from tierswap.optim._partition import Segment, Slice, Slot, local_tensor
+from tierswap.config import ALIGN
+from tierswap.optim._partition import Segment, Slice, Slot, array_chunk_bytes, local_tensor
 from tierswap.optim.formats import MomentFormat, join, split
 from tierswap.pipeline import Region
 
 __all__ = [
+    "Scratch",
     "StepPlan",
     "clone_small",
     "flat",
@@ -52,7 +54,8 @@ class StepPlan:
     """What one ``step()`` hands to the work of each slice.
 
     ``small_after`` is filled in: the scalar state (``step`` counters, ...) of each stepped slot.
-    ``create`` makes a stored array for state that the step created (first step only).
+    ``create`` makes a stored array for state that the step created (first step only), with
+    its own chunk size where it does not take the store's.
     ``inners`` holds the torch optimizer that steps each param group (by group index).
     """
 
@@ -63,11 +66,37 @@ class StepPlan:
     state_names: dict[int, list[str]]
     small_before: dict[int, dict[str, Any]]
     write_params: bool
-    create: Callable[[str, tuple[int, ...], torch.dtype], None]
+    create: Callable[[str, tuple[int, ...], torch.dtype, int | None], None]
+    chunk_bytes: int  # the store's chunk size, which slices cut parameters at
     small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
     #: returned); ``None``: read ``param.grad`` when the slice steps.
     grads: dict[int, torch.Tensor | None] | None = None
+
+
+class Scratch:
+    """Work buffers of one slice's step, cut from one buffer reused across slices (the
+    pipeline's, :meth:`tierswap.Pipeline.scratch`): memory already mapped, so the decoded
+    moments, joined masters and gradient casts cost no page faults. Each piece starts on a
+    page, as :meth:`Segment.scratch_bytes` counts them; when the buffer is used up (or there is
+    none, or the step runs on another device) :meth:`take` makes a new tensor instead.
+    Used by one thread, for one slice."""
+
+    def __init__(self, buffer: torch.Tensor | None) -> None:
+        self._buffer = buffer
+        self._used = 0
+
+    def take(
+        self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """An uninitialised 1-D tensor of ``numel`` elements on ``device``."""
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffer
+        if buffer is None or device.type != "cpu" or self._used + nbytes > buffer.numel():
+            return torch.empty(numel, dtype=dtype, device=device)
+        piece = buffer[self._used : self._used + nbytes].view(dtype)
+        self._used += max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
+        return piece
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,16 +117,21 @@ def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region
 
 
 def step_slice(
-    plan: StepPlan, piece: Slice, tensors: dict[Region, torch.Tensor]
+    plan: StepPlan,
+    piece: Slice,
+    tensors: dict[Region, torch.Tensor],
+    scratch_buffer: torch.Tensor | None = None,
 ) -> dict[Region, torch.Tensor]:
-    """Step the live segments of ``piece``; return the regions to write back."""
+    """Step the live segments of ``piece``; return the regions to write back.
+    ``scratch_buffer`` (``piece.scratch_bytes`` or more) holds the step's work buffers."""
     segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
     if not segments:
         return {}
-    targets = [_target(plan, seg, tensors) for seg in segments]
+    scratch = Scratch(scratch_buffer)
+    targets = [_target(plan, seg, tensors, scratch) for seg in segments]
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for seg, target in zip(segments, targets, strict=True):
-        state[target] = _state_of(plan, seg, tensors)
+        state[target] = _state_of(plan, seg, tensors, scratch)
     for inner in {
         id(plan.inners[seg.slot.group]): plan.inners[seg.slot.group] for seg in segments
     }.values():
@@ -169,7 +203,9 @@ def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.
     return tensor.view(slot.whole_state[name][0]) if name in slot.whole_state else tensor
 
 
-def _target(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor]) -> torch.Tensor:
+def _target(
+    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], scratch: Scratch
+) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
     whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
@@ -179,16 +215,29 @@ def _target(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor]) -
         stored = tensors[_region(slot.master_key, seg)]
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
             param = flat(slot.param)[seg.start : seg.stop].to(stored.device)
-            stored = join(param, stored, torch.empty(seg.numel, device=stored.device))
+            stored = join(param, stored, scratch.take(seg.numel, stored.device))
         target = _shaped(slot, stored)
-        target.grad = grad.to(target.device, target.dtype)
+        target.grad = _cast(grad, target, scratch)
     else:
         target = _shaped(slot, flat(slot.param)[seg.start : seg.stop])
         target.grad = grad
     return target
 
 
-def _state_of(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor]) -> dict[str, Any]:
+def _cast(grad: torch.Tensor, target: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """``grad`` in ``target``'s dtype and device: itself when it is already, else a copy
+    (into a scratch buffer on the CPU: one pass, no fresh memory)."""
+    if grad.dtype == target.dtype and grad.device == target.device:
+        return grad
+    if target.device.type != "cpu":
+        return grad.to(target.device, target.dtype)
+    cast = scratch.take(grad.numel(), target.device, target.dtype)
+    return cast.view(grad.shape).copy_(grad)
+
+
+def _state_of(
+    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], scratch: Scratch
+) -> dict[str, Any]:
     slot = seg.slot
     if slot.index in plan.fresh:
         return {}  # torch creates the state, as for a parameter it has never stepped
@@ -199,8 +248,7 @@ def _state_of(plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor])
             state[name] = _shaped(slot, tensors[state_region(seg, name)], name)
             continue
         stored = [tensors[region] for region in state_regions(seg, name)]
-        scratch = torch.empty(seg.numel, dtype=torch.float32, device=stored[0].device)
-        state[name] = fmt.decode(stored, scratch)
+        state[name] = fmt.decode(stored, scratch.take(seg.numel, stored[0].device))
     return state
 
 
@@ -259,10 +307,10 @@ def _create(
     """Create the stored arrays of state ``name``, made by the first step."""
     if fmt is None:
         shape = value.shape if slot.whole else slot.local.shape
-        plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype)
+        plan.create(f"{slot.prefix}/{name}", tuple(shape), value.dtype, None)
         return
     for key, array in zip(slot.state_keys(name), fmt.arrays(name, slot.local.numel()), strict=True):
-        plan.create(key, (array.numel,), array.dtype)
+        plan.create(key, (array.numel,), array.dtype, array_chunk_bytes(array, plan.chunk_bytes))
 
 
 def _encoded(

@@ -445,7 +445,9 @@ def load_state_dict(
         for m, group in zip(members, loaded, strict=True):
             loaded_groups[m] = group
     states = [loaded_state.get(target, {}) for target in targets]
-    _replace_states(backend, step_state, list(zip(layout.slots, states, strict=True)))
+    _replace_states(
+        backend, step_state, list(zip(layout.slots, states, strict=True)), layout.chunk_bytes
+    )
     for group, restored in zip(param_groups, loaded_groups, strict=True):
         group.update(_hyper(restored))
 
@@ -483,11 +485,16 @@ def _load_target(slot: Slot, compute_device: torch.device) -> torch.Tensor:
 
 
 def _replace_states(
-    backend: StateBackend, step_state: StepState, states: list[tuple[Slot, dict[str, Any]]]
+    backend: StateBackend,
+    step_state: StepState,
+    states: list[tuple[Slot, dict[str, Any]]],
+    chunk_bytes: int,
 ) -> None:
     """Give each slot its new state, all or nothing: every tensor (and refreshed master) is
-    written first, in one all-or-none put; only then are old names dropped and scalars set."""
+    written first, in one all-or-none put; only then are old names dropped and scalars set.
+    ``chunk_bytes`` is the layout's chunking (8-bit scales get chunks of their own from it)."""
     tensors: dict[str, torch.Tensor] = {}
+    chunks: dict[str, int] = {}
     names: dict[int, list[str]] = {}
     smalls: dict[int, dict[str, Any]] = {}
     for slot, state in states:
@@ -495,6 +502,7 @@ def _replace_states(
         for name, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors.update(_stored_state(slot, name, local_tensor(value)))
+                chunks.update(slot.chunk_overrides(name, chunk_bytes))
                 names[slot.index].append(name)
             else:
                 smalls[slot.index][name] = value
@@ -502,7 +510,7 @@ def _replace_states(
             tensors[slot.master_key] = master_of(slot, slot.local)
         if slot.remainder:  # the parameter the zero remainder belongs to
             tensors[slot.param_key] = slot.local.detach().to("cpu")
-    backend.put_many(tensors)
+    backend.put_many(tensors, chunks)
     for slot, _state in states:
         for name in step_state.names.pop(slot.index, []):
             if name not in names[slot.index]:
@@ -545,5 +553,5 @@ def adopt_direct_state(
                 f"optimizer.state holds a tensor of shape {tuple(param.shape)} that is not one "
                 "of this optimizer's parameters; load state with load_state_dict()"
             )
-        _replace_states(backend, step_state, [(slot, state)])
+        _replace_states(backend, step_state, [(slot, state)], layout.chunk_bytes)
     direct.clear()

@@ -28,8 +28,9 @@ Why not call torchao's quantizer: the tests compare this one with torchao's
 (``torchao.optim.quant_utils``: same map, codes, scales and dequantised values), which runs on
 the CPU, but torchao is no dependency of tierswap, importing it on a CPU-only torch tries (and
 loudly fails) to load CUDA extensions, and ``quantize_8bit_with_qmap`` returns new tensors after
-eight gather passes with int64 temporaries the size of the input. Here two look-ups in tables
-worked out once write the same codes into the caller's array, tens of times faster. Two
+eight gather passes with int64 temporaries the size of the input. Here one look-up in a table
+worked out once and a few integer passes write the same codes into the caller's array, tens of
+times faster (``bench/codec.py`` times each codec against an fp32 copy). Two
 deliberate differences: torchao floors the scale at ``1e-12``, which coarsens second moments
 whose block maximum is under ``1e-12`` (gradients under ``1e-6``), where this floor is the
 smallest normal fp32, there only to keep ``0 / 0`` out; and the last block may be partial
@@ -83,6 +84,7 @@ __all__ = [
     "decode_bf16",
     "encode_8bit",
     "encode_bf16",
+    "is_moment",
     "is_unsigned",
     "join",
     "master_arrays",
@@ -104,6 +106,15 @@ MIN_8BIT_NUMEL = 4096
 _UNSIGNED_STATES = frozenset(
     {"exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta", "sum"}
     | {"row_var", "col_var", "variance"}
+)
+#: State that torch's per-element optimizers keep as running statistics of the gradient (the
+#: moments :func:`is_moment` names): what a compact ``state_precision`` applies to. Any other
+#: per-element state (ASGD's parameter average ``ax``, Rprop's ``prev`` gradient and per-element
+#: ``step_size``, a custom optimizer's) is not a moment: an optimizer keeping such state keeps
+#: all of its state in fp32, exactly.
+_MOMENTS = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer"}
+    | {"square_avg", "grad_avg", "acc_delta", "sum"}
 )
 _PIECE = 1 << 16  # elements per piece of work: temporaries stay at a few hundred KiB
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
@@ -138,6 +149,13 @@ def is_unsigned(state_name: str) -> bool:
     return state_name in _UNSIGNED_STATES
 
 
+def is_moment(state_name: str) -> bool:
+    """Whether state ``state_name`` of torch's per-element optimizers is a moment (a running
+    statistic of the gradient: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``sum``,
+    ...), which a compact ``state_precision`` may store; other state stays fp32."""
+    return state_name in _MOMENTS
+
+
 def num_blocks(numel: int, block_size: int = BLOCK_SIZE) -> int:
     """Blocks (and absmax entries) of ``numel`` elements; the last block may be partial."""
     return -(-numel // block_size)
@@ -150,11 +168,14 @@ def bytes_per_element(precision: StatePrecision, block_size: int = BLOCK_SIZE) -
 
 @dataclasses.dataclass(frozen=True)
 class StoredArray:
-    """One array stored for a state tensor: its name (an array key segment), dtype and length."""
+    """One array stored for a state tensor: its name (an array key segment), dtype and length,
+    and how many of the tensor's elements each of its elements stands for (``covers``: the
+    block size for 8-bit scales, else 1)."""
 
     name: str
     dtype: torch.dtype
     numel: int
+    covers: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +218,10 @@ class MomentFormat:
             return [
                 StoredArray(f"{state_name}.codes", torch.uint8, numel),
                 StoredArray(
-                    f"{state_name}.absmax", torch.float32, num_blocks(numel, self.block_size)
+                    f"{state_name}.absmax",
+                    torch.float32,
+                    num_blocks(numel, self.block_size),
+                    self.block_size,
                 ),
             ]
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
@@ -367,18 +391,45 @@ def _code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return base.to(torch.uint8), step
 
 
+@functools.cache
+def _code_offsets(signed: bool) -> torch.Tensor:
+    """The codes of :func:`_code_tables` as one int32 look-up and integer adds.
+
+    Write a scaled value's bits as an int32 ``b = (h << 16) + low`` (``h`` its upper half,
+    read unsigned as the index, and ``low`` its lower 16 bits). Within one upper half the code
+    is ``base[h]`` plus one where the value has reached the half's threshold, whose lower bits
+    are ``t``: where ``low >= t`` for a positive value, ``low <= t`` for a negative one (its
+    magnitude grows with ``low``). With ``k = b`` for a positive value and ``k = ~b`` (``-b -
+    1``) for a negative one, both are ``(k + offset[h]) >> 16`` for the offsets below: the sum
+    stays in ``[0, 2**24)``, so the code is its third byte. One gather and three integer
+    passes instead of two gathers, a float comparison and an add.
+    """
+    base, step = _code_tables(signed)
+    h = torch.arange(1 << 16, dtype=torch.int64)
+    signed_h = torch.where(h >= 1 << 15, h - (1 << 16), h)
+    has_step = ~step.isnan()
+    step_low = step.view(torch.int32).to(torch.int64) & 0xFFFF
+    code = base.to(torch.int64) << 16
+    positive = code + (1 << 16) - torch.where(has_step, step_low, 1 << 16) - (signed_h << 16)
+    negative = code + (1 << 16) + torch.where(has_step, step_low, -1) + (signed_h << 16) + 1
+    return torch.where(signed_h >= 0, positive, negative).to(torch.int32)
+
+
 def _nearest_codes(
     scaled: torch.Tensor, out: torch.Tensor, signed: bool, scratch: Sequence[torch.Tensor]
 ) -> None:
     """``out`` (uint8) = the codes of the map entries nearest to ``scaled`` (see
-    :func:`_code_tables`), with ``scratch`` int32, fp32 and bool arrays at least as long."""
-    base, step = (t.to(scaled.device) for t in _code_tables(signed))
-    upper, threshold, up = (t[: scaled.numel()] for t in scratch)
-    torch.bitwise_right_shift(scaled.view(torch.int32), 16, out=upper).bitwise_and_(0xFFFF)
-    torch.index_select(base, 0, upper, out=out)
-    torch.index_select(step, 0, upper, out=threshold)
-    torch.ge(scaled, threshold, out=up)
-    out.add_(up)
+    :func:`_code_offsets`), with ``scratch`` two int32 arrays at least as long. ``scaled``
+    is overwritten."""
+    offsets = _code_offsets(signed).to(scaled.device)
+    index, total = (t[: scaled.numel()] for t in scratch)
+    bits = scaled.view(torch.int32)
+    torch.bitwise_right_shift(bits, 16, out=index).bitwise_and_(0xFFFF)
+    torch.index_select(offsets, 0, index, out=total)
+    torch.bitwise_right_shift(bits, 31, out=index)  # ~b for negative b: b ^ (b >> 31)
+    bits.bitwise_xor_(index)
+    total.add_(bits).bitwise_right_shift_(16)
+    out.copy_(total)
 
 
 def encode_8bit(
@@ -397,7 +448,7 @@ def encode_8bit(
     n = src.numel()
     codes_out = _result(codes, n, torch.uint8, "codes", src.device)
     absmax_out = _result(absmax, num_blocks(n, block_size), torch.float32, "absmax", src.device)
-    dtypes = (torch.float32, torch.int32, torch.float32, torch.bool)
+    dtypes = (torch.float32, torch.int32, torch.int32)
     scaled, *scratch = _scratch(min(n, _piece_len(block_size)), src.device, *dtypes)
     for lo, hi in _pieces(n, block_size):
         blocks = absmax_out[lo // block_size : num_blocks(hi, block_size)]

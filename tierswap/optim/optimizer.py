@@ -104,7 +104,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         ``"8bit"`` (block-wise, as bitsandbytes and torchao; tensors under 4096 elements stay
         fp32). The step decodes a slice into fp32, runs torch's kernel, encodes back. Opt-in:
         it changes results (``docs/optimizer.md``, "Compact state"). Parameters stepped whole
-        (Muon, Adafactor) keep fp32 state.
+        (Muon, Adafactor) keep fp32 state, and so do optimizers with per-element state that
+        is not a moment (ASGD's ``ax``, Rprop's ``prev``, ``step_size``).
     master:
         ``"fp32"`` (default) stores an fp32 master of each bf16 parameter; ``"remainder"``
         stores the parameter and a 16-bit remainder instead, which rebuild the fp32 master
@@ -236,7 +237,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         optimizer_class = group.get("optimizer_class", type(self._inner))
         check_class(optimizer_class)
         inner = self._inner_of(optimizer_class)
-        probes: dict[torch.dtype, tuple[bool, tuple[int, ...]]] = {}
+        probes: dict[torch.dtype, tuple[bool, dict[str, int]]] = {}
         names = group.get("param_names") or [None] * len(group["params"])
         slots: list[Slot] = []
         for param, name in zip(group["params"], names, strict=True):
@@ -248,13 +249,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                     f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
                     "steps flat slices of parameters: call .contiguous() on it before training"
                 )
-            cut, itemsizes = probes[dtype]
+            cut, state = probes[dtype]
             whole = None if cut else whole_state(optimizer_class, group, param, name)
             has_master = dtype != param.dtype or param.device.type != self.compute_device.type
             key = key_prefix(name) if name is not None else ""
             slots.append(
                 Slot(
-                    first + len(slots), param, group_index, has_master, itemsizes, name, key,
+                    first + len(slots), param, group_index, has_master,
+                    tuple(state.values()), name, key, state_names=tuple(state),
                     whole_state=whole, precision=self._config.state_precision,
                     remainder=self._config.master == "remainder" and param.dtype == torch.bfloat16,
                 )
@@ -494,6 +496,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             small_before=self._state.small,
             write_params=self._commit_due(),
             create=self._backend.create,
+            chunk_bytes=self._layout.chunk_bytes,
         )
 
     def _commit_due(self) -> bool:
@@ -507,12 +510,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             slice_reads(piece, self._state.names),
             piece.working_set,
             tier=self._layout.placement.get(piece.index),
+            scratch=piece.scratch_bytes if self.compute_device.type == "cpu" else 0,
         )
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
         piece = self._layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        writes = step_slice(plan, piece, tensors)
+        writes = step_slice(plan, piece, tensors, self._backend.pipeline.scratch(job))
         self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real

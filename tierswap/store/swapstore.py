@@ -199,27 +199,41 @@ class SwapStore:
             raise ReadOnlyError(f"store {str(self.path)!r} was opened with mode='r'; use 'a'")
 
     # ================================================================== writes
-    def put(self, key: str, tensor: torch.Tensor) -> None:
+    def put(self, key: str, tensor: torch.Tensor, *, chunk_bytes: Size | None = None) -> None:
         """Store ``tensor`` (any dtype, shape, device) under ``key``; visible to reads at once,
-        durable after the next :meth:`commit`."""
-        self.put_async(key, tensor).result()
+        durable after the next :meth:`commit`. ``chunk_bytes`` sets this array's largest
+        chunk (a multiple of 4 KiB) instead of the store's."""
+        self.put_async(key, tensor, chunk_bytes=chunk_bytes).result()
 
-    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]:
+    def put_async(
+        self, key: str, tensor: torch.Tensor, *, chunk_bytes: Size | None = None
+    ) -> Future[None]:
         """Start storing ``tensor``; do not modify it until the returned future is done."""
         self._check_writable()
         validate_key(key)
         source = as_cpu_contiguous(tensor)
-        return self._start_put(key, source.dtype, tuple(source.shape), source)
+        chunk = _chunk_override(chunk_bytes)
+        return self._start_put(key, source.dtype, tuple(source.shape), source, chunk)
 
-    def put_many(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def put_many(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        chunk_bytes: Mapping[str, Size] | None = None,
+    ) -> None:
         """Store every tensor of ``tensors`` (key -> tensor), all or none.
 
         The writes run in parallel; the keys change only once all of them succeeded, so when
-        one fails (disk full, ...) no key changes and its error is raised.
+        one fails (disk full, ...) no key changes and its error is raised. ``chunk_bytes``
+        (key -> size) sets the largest chunk of the keys it names, as for :meth:`put`.
         """
         self._check_writable()
         sources = {validate_key(k): as_cpu_contiguous(t) for k, t in tensors.items()}
-        metas = {key: self._new_meta(key, t.dtype, tuple(t.shape)) for key, t in sources.items()}
+        chunks = {k: _chunk_override(v) for k, v in (chunk_bytes or {}).items()}
+        metas = {
+            key: self._new_meta(key, t.dtype, tuple(t.shape), chunks.get(key))
+            for key, t in sources.items()
+        }
         claim = PutClaim(self._index, list(sources), wait_reads=not self.durable)
         with self._gate.shared(claim):
             writes = [self._submit_put(metas[key], source) for key, source in sources.items()]
@@ -243,11 +257,20 @@ class SwapStore:
             unlink_all(path for _meta, paths in written for path in paths)
             raise error
 
-    def create(self, key: str, shape: Iterable[int], dtype: torch.dtype) -> None:
+    def create(
+        self,
+        key: str,
+        shape: Iterable[int],
+        dtype: torch.dtype,
+        *,
+        chunk_bytes: Size | None = None,
+    ) -> None:
         """Store a tensor of zeros under ``key`` without writing its bytes.
 
         The chunk files are allocated sparsely, so this costs metadata, not a write of the whole
         tensor: the way to make an array larger than memory, to be filled by :meth:`put_region`.
+        ``chunk_bytes`` sets this array's largest chunk (a multiple of 4 KiB) instead of the
+        store's: e.g. so that a small array's chunks cover as much of a tensor as a large one's.
         """
         self._check_writable()
         validate_key(key)
@@ -257,21 +280,29 @@ class SwapStore:
                 f"create({key!r}): shape {shape} and dtype {dtype!r} are invalid"
             )
         as_cpu_contiguous(torch.empty(0, dtype=dtype))  # raises for dtypes that cannot be stored
-        self._start_put(key, dtype, shape, None).result()
+        self._start_put(key, dtype, shape, None, _chunk_override(chunk_bytes)).result()
 
     def _start_put(
-        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], source: torch.Tensor | None
+        self,
+        key: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        source: torch.Tensor | None,
+        chunk_bytes: int | None = None,
     ) -> Future[None]:
         """Start a whole-tensor write (``source=None``: zeros) in a shared section that ends
         once the files are installed, or deleted after a failure."""
-        meta = self._new_meta(key, dtype, shape)
+        meta = self._new_meta(key, dtype, shape, chunk_bytes)
         claim = PutClaim(self._index, [key], wait_reads=not self.durable)
         with self._gate.shared(claim) as section:
             return section.finish(self._submit_put(meta, source), self._install_written)
 
-    def _new_meta(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayMeta:
+    def _new_meta(
+        self, key: str, dtype: torch.dtype, shape: tuple[int, ...], chunk_bytes: int | None = None
+    ) -> ArrayMeta:
         nbytes = math.prod(shape) * dtype.itemsize
-        chunk = chunk_bytes_for(nbytes, self.chunk_bytes, dtype.itemsize)
+        largest = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+        chunk = chunk_bytes_for(nbytes, largest, dtype.itemsize)
         folders = self._placement.folders(key, -(-nbytes // chunk))
         return ArrayMeta(key, dtype, shape, chunk, folders=folders)
 
@@ -584,3 +615,13 @@ class SwapStore:
         )
         where = str(self.path) if len(self.paths) == 1 else [str(p) for p in self.paths]
         return f"SwapStore({where!r}, {kind}, {state})"
+
+
+def _chunk_override(chunk_bytes: Size | None) -> int | None:
+    """A per-array ``chunk_bytes``, checked as the store's is; ``None`` keeps the store's."""
+    if chunk_bytes is None:
+        return None
+    chunk = parse_size(chunk_bytes, name="chunk_bytes")
+    if chunk <= 0 or chunk % 4096:
+        raise ConfigError(f"chunk_bytes={chunk} must be a positive multiple of 4096")
+    return chunk
