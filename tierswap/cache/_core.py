@@ -339,13 +339,30 @@ class CacheCore:
         return flushing
 
     def begin_write_through(self, key: str, meta: Meta, tensor: torch.Tensor) -> None:
-        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``."""
-        self.write_backs[key] = WriteBack(Entry(key, meta, HOST, tensor))
+        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``.
+
+        The key's cached entry leaves its tier. A dirty one holds a value the store does not
+        have yet, so it is set aside like a write-back victim (its bytes still counted) until
+        the write ends: a failed write-through puts it back, and the key keeps the value it
+        had instead of the older one in the store (or none at all).
+        """
+        entry = self.find(key)
+        if entry is not None and entry.dirty:
+            self.tiers[entry.tier].start_write(entry, None)
+            self.write_backs[key] = WriteBack(entry)
+            return
+        if entry is not None:
+            self.discard(entry)
+        self.write_backs[key] = WriteBack(Entry(key, meta, HOST, tensor), through=True)
 
     def end_write_through(self, key: str, meta: Meta, *, ok: bool) -> None:
-        del self.write_backs[key]
+        wb = self.write_backs.pop(key)
+        if not wb.through:  # the replaced dirty entry: freed once written, back on failure
+            self.tiers[wb.entry.tier].end_write(wb, failed=not ok, earmark=False)
         if ok:
             self.count_io("written", meta.nbytes)
+        elif not wb.through:
+            self.meta[key] = wb.entry.meta
         else:  # the store still holds the old value: look its shape up again
             self.meta.pop(key, None)
         self.gate.wake()

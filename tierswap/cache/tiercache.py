@@ -163,7 +163,8 @@ class TierCache:
         target = self._put_target(key, meta, tier)
         with self._cv:
             self._gate.check_open()
-            self._settle_key(key, allow_pinned=target != NVME)
+            # a write-through takes the cached entry over (begin_write_through)
+            self._settle_key(key, allow_pinned=target != NVME, drop=False)
             self._core.meta[key] = meta
             self.policy.access(key)
             if target != NVME:
@@ -176,7 +177,7 @@ class TierCache:
             self._write_through(key, tensor, meta)
 
     def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
-        """Write ``tensor`` to the store (lock not held); on failure forget its metadata."""
+        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value."""
         ok = False
         try:
             self.store.put(key, tensor)
@@ -450,8 +451,9 @@ class TierCache:
                 return
             self._settle_key(key, allow_pinned=True)
 
-    def _settle_key(self, key: str, *, allow_pinned: bool) -> bool:
-        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry.
+    def _settle_key(self, key: str, *, allow_pinned: bool, drop: bool = True) -> bool:
+        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry
+        (unless ``drop`` is false: the caller takes it over).
 
         Returns whether the key was cached.
         """
@@ -469,6 +471,6 @@ class TierCache:
                 break
         if entry is not None:
             cached = True
-            if not allow_pinned:
+            if not allow_pinned and drop:
                 self._core.discard(entry)
         return cached
