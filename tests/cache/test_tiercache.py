@@ -344,6 +344,21 @@ def test_failed_write_back_keeps_data_and_reports(filled: LoggingStore, policy: 
         cache.get("a")
 
 
+def test_a_put_that_fails_leaves_the_key_its_shape(filled: LoggingStore) -> None:
+    """A put that raises (here: the write-back it waited for failed) changes nothing, not even
+    the shape the cache reads the key with from the store."""
+    store = FailingWrites(filled)
+    store.full = False
+    cache = TierCache(store, device_budget=0, host_budget=PAGE, policy="lru")
+    cache.put("b", torch.full((ITEM,), 6.0), tier="host")  # dirty, fills the tier
+    store.full = True
+    with pytest.raises(OutOfSpaceError):
+        cache.put(KEYS[0], torch.zeros(2), tier="host")  # evicting b fails
+    store.full = False
+    torch.testing.assert_close(cache.get(KEYS[0], tier="host"), value(0))
+    cache.close()
+
+
 def test_closed_cache_refuses_calls(make: Callable[..., TierCache]) -> None:
     cache = make()
     cache.close()

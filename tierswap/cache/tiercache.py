@@ -165,13 +165,16 @@ class TierCache:
             self._gate.check_open()
             # a write-through takes the cached entry over (begin_write_through)
             self._settle_key(key, allow_pinned=target != NVME, drop=False)
-            self._core.meta[key] = meta
             self.policy.access(key)
             if target != NVME:
                 self._put_in_tier(key, tensor, meta, target)
-                self._read_ahead(target)
             else:
                 self._core.begin_write_through(key, meta, tensor)
+            # only now: a put that raised above (pins, a failed write-back it waited for)
+            # leaves the shape that reads of the key from the store expect
+            self._core.meta[key] = meta
+            if target != NVME:
+                self._read_ahead(target)
         self._gate.drain()
         if target == NVME:
             self._write_through(key, tensor, meta)
