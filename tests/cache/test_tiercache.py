@@ -359,6 +359,23 @@ def test_a_put_that_fails_leaves_the_key_its_shape(filled: LoggingStore) -> None
     cache.close()
 
 
+def test_a_put_that_fails_keeps_the_value_it_would_replace(filled: LoggingStore) -> None:
+    """A put that cannot update a dirty item in place (another shape) and then raises leaves
+    the key its value: the store does not have it yet, so dropping it would lose it."""
+    store = FailingWrites(filled)
+    store.full = False
+    cache = TierCache(store, device_budget=0, host_budget=2 * PAGE, policy="lru")
+    cache.put("a", torch.full((ITEM,), 5.0), tier="host")  # dirty, not in the store
+    cache.put("b", torch.full((ITEM,), 6.0), tier="host")  # dirty; the tier is full
+    store.full = True
+    with pytest.raises(OutOfSpaceError):
+        cache.put("a", torch.zeros(2 * ITEM), tier="host")  # needs b's room too
+    store.full = False
+    torch.testing.assert_close(cache.get("a", tier="host"), torch.full((ITEM,), 5.0))
+    cache.close()
+    torch.testing.assert_close(filled.get("a"), torch.full((ITEM,), 5.0))
+
+
 def test_closed_cache_refuses_calls(make: Callable[..., TierCache]) -> None:
     cache = make()
     cache.close()

@@ -438,6 +438,13 @@ class TierCache:
         return self._core.tier_for(tier, meta, key)
 
     def _put_in_tier(self, key: str, tensor: torch.Tensor, meta: Meta, target: TierName) -> None:
+        """Place a copy of ``tensor`` in ``target`` (lock held; may wait for room).
+
+        A cached value of ``key`` that cannot be updated in place is dropped only when the
+        put cannot fail any more, or the store has it: a dirty one whose room is needed is
+        written down first, as an eviction would, so that a put which then raises (a failed
+        write-back reported here, pins) leaves the key its value.
+        """
         while True:
             self._core.raise_errors()
             entry = self._core.find(key)
@@ -447,12 +454,21 @@ class TierCache:
                 return
             if entry is not None and entry.pins:
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
+            if entry is not None and entry.dirty and not self._fits_instead(entry, meta, target):
+                self._core.evict(entry, demote=False)
+                self._settle_key(key, allow_pinned=True)  # wait for the write
+                continue
             if entry is not None:
                 self._core.discard(entry)
             if self._core.reserve(target, meta.footprint, key, prefetch=False, wait=True):
                 self._core.add_copy(key, tensor, meta, target)
                 return
             self._settle_key(key, allow_pinned=True)
+
+    def _fits_instead(self, entry: Entry, meta: Meta, target: TierName) -> bool:
+        """Whether an item of ``meta`` fits in ``target`` now, in place of ``entry``."""
+        freed = entry.size if entry.tier == target else 0
+        return self._tiers[target].room(entry.key) + freed >= meta.footprint
 
     def _settle_key(self, key: str, *, allow_pinned: bool, drop: bool = True) -> bool:
         """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry
