@@ -180,14 +180,19 @@ class TierCache:
             self._write_through(key, tensor, meta)
 
     def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
-        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value."""
+        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value.
+
+        After a failure the shape of the value the store still holds is looked up again (here,
+        outside the lock), so gets that waited for the write read that value.
+        """
         ok = False
         try:
             self.store.put(key, tensor)
             ok = True
         finally:
+            stored = None if ok else self._core.stored_meta(key)
             with self._cv:
-                self._core.end_write_through(key, meta, ok=ok)
+                self._core.end_write_through(key, meta, ok=ok, stored=stored)
 
     def prefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.
@@ -420,7 +425,9 @@ class TierCache:
             self._gate.wait()
             return None
         self._prefetch.drop(key)
-        meta = self._core.meta[key]
+        meta = self._core.meta.get(key)
+        if meta is None:  # deleted, or written through and failed, while the caller waited
+            raise KeyNotFoundError(f"key {key!r} is not in the cache or its store")
         tier: TierName = HOST if meta.footprint <= self._tiers[HOST].budget else target
         if not self._core.reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
