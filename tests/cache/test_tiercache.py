@@ -344,6 +344,38 @@ def test_failed_write_back_keeps_data_and_reports(filled: LoggingStore, policy: 
         cache.get("a")
 
 
+def test_a_put_that_fails_leaves_the_key_its_shape(filled: LoggingStore) -> None:
+    """A put that raises (here: the write-back it waited for failed) changes nothing, not even
+    the shape the cache reads the key with from the store."""
+    store = FailingWrites(filled)
+    store.full = False
+    cache = TierCache(store, device_budget=0, host_budget=PAGE, policy="lru")
+    cache.put("b", torch.full((ITEM,), 6.0), tier="host")  # dirty, fills the tier
+    store.full = True
+    with pytest.raises(OutOfSpaceError):
+        cache.put(KEYS[0], torch.zeros(2), tier="host")  # evicting b fails
+    store.full = False
+    torch.testing.assert_close(cache.get(KEYS[0], tier="host"), value(0))
+    cache.close()
+
+
+def test_a_put_that_fails_keeps_the_value_it_would_replace(filled: LoggingStore) -> None:
+    """A put that cannot update a dirty item in place (another shape) and then raises leaves
+    the key its value: the store does not have it yet, so dropping it would lose it."""
+    store = FailingWrites(filled)
+    store.full = False
+    cache = TierCache(store, device_budget=0, host_budget=2 * PAGE, policy="lru")
+    cache.put("a", torch.full((ITEM,), 5.0), tier="host")  # dirty, not in the store
+    cache.put("b", torch.full((ITEM,), 6.0), tier="host")  # dirty; the tier is full
+    store.full = True
+    with pytest.raises(OutOfSpaceError):
+        cache.put("a", torch.zeros(2 * ITEM), tier="host")  # needs b's room too
+    store.full = False
+    torch.testing.assert_close(cache.get("a", tier="host"), torch.full((ITEM,), 5.0))
+    cache.close()
+    torch.testing.assert_close(filled.get("a"), torch.full((ITEM,), 5.0))
+
+
 def test_closed_cache_refuses_calls(make: Callable[..., TierCache]) -> None:
     cache = make()
     cache.close()

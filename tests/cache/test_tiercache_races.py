@@ -6,6 +6,7 @@ import contextlib
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 from tests.cache.conftest import LoggingStore
@@ -58,6 +59,68 @@ def test_a_failed_write_through_put_leaves_the_old_value_readable(store: Any) ->
         with contextlib.suppress(OSError):
             cache.put("x", torch.arange(8.0), tier="nvme")
         assert torch.equal(cache.get("x", tier="host"), torch.ones(4))
+
+
+def test_a_failed_write_through_put_keeps_a_value_not_yet_written_down(store: Any) -> None:
+    """The cached value of a dirty key is newer than the store's (or the store has none): a
+    failed write-through keeps it, cached and dirty, instead of falling back to the store."""
+    store.put("x", torch.ones(4))
+
+    class Failing(LoggingStore):
+        def put(self, key: str, tensor: torch.Tensor) -> None:
+            raise OSError(28, "No space left on device")
+
+    with TierCache(Failing(store), device_budget=0, host_budget="1MiB") as cache:
+        cache.put("x", torch.full((3,), 2.0), tier="host")  # dirty: the store holds ones(4)
+        cache.put("new", torch.full((2,), 5.0), tier="host")  # dirty: not in the store
+        for key in ("x", "new"):
+            with pytest.raises(OSError, match="No space"):
+                cache.put(key, torch.arange(8.0), tier="nvme")
+        assert torch.equal(cache.get("x", tier="host"), torch.full((3,), 2.0))
+        assert torch.equal(cache.get("new", tier="host"), torch.full((2,), 5.0))
+        assert cache.stats().host.used == 2 * 4096
+        cache.flush()
+    assert torch.equal(store.get("x"), torch.full((3,), 2.0))
+    assert torch.equal(store.get("new"), torch.full((2,), 5.0))
+
+
+def test_a_get_that_waited_for_a_failed_write_through_reads_the_old_value(store: Any) -> None:
+    """A get of a key being written through waits for the write; when it fails, the get reads
+    the value the store still holds (it raised a bare KeyError: the key's shape was gone)."""
+    store.put("x", torch.ones(4))
+    release = threading.Event()
+
+    class Failing(LoggingStore):
+        def put(self, key: str, tensor: torch.Tensor) -> None:
+            release.wait(30)
+            raise OSError(28, "No space left on device")
+
+    got: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            got["value"] = cache.get("x", tier="host")
+        except BaseException as exc:
+            got["value"] = exc
+
+    def write() -> None:
+        with contextlib.suppress(OSError):
+            cache.put("x", torch.arange(8.0), tier="nvme")
+
+    with TierCache(Failing(store), device_budget=0, host_budget="1MiB") as cache:
+        writer = threading.Thread(target=write)
+        writer.start()
+        while "x" not in cache._core.write_backs:  # white-box: the write-through has begun
+            threading.Event().wait(0.005)
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(0.2)  # the reader waits for the write
+        release.set()
+        writer.join(10)
+        reader.join(10)
+        assert not reader.is_alive()
+        assert isinstance(got["value"], torch.Tensor), got["value"]
+        assert torch.equal(got["value"], torch.ones(4))
 
 
 def test_a_host_get_returns_the_cached_buffer_that_a_same_shape_put_updates(store: Any) -> None:

@@ -105,6 +105,18 @@ class CacheCore:
         with self.cv:
             return self.meta.setdefault(key, meta)
 
+    def stored_meta(self, key: str) -> Meta | None:
+        """``key``'s metadata in the store, or ``None`` (lock not held).
+
+        ``None`` also when the lookup fails otherwise: the caller forgets the metadata, and the
+        next use of the key looks it up again.
+        """
+        try:
+            info = self.store.info(key)
+        except Exception:  # KeyNotFoundError, usually; any failure: see above
+            return None
+        return Meta(info.dtype, tuple(info.shape), info.nbytes)
+
     def tier_for(self, tier: str | None, meta: Meta | None, key: str = "") -> TierName:
         """The tier an item of ``meta`` goes to when asked for ``tier`` (checked: it fits)."""
         if tier is not None and tier not in TIERS:
@@ -339,14 +351,37 @@ class CacheCore:
         return flushing
 
     def begin_write_through(self, key: str, meta: Meta, tensor: torch.Tensor) -> None:
-        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``."""
-        self.write_backs[key] = WriteBack(Entry(key, meta, HOST, tensor))
+        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``.
 
-    def end_write_through(self, key: str, meta: Meta, *, ok: bool) -> None:
-        del self.write_backs[key]
+        The key's cached entry leaves its tier. A dirty one holds a value the store does not
+        have yet, so it is set aside like a write-back victim (its bytes still counted) until
+        the write ends: a failed write-through puts it back, and the key keeps the value it
+        had instead of the older one in the store (or none at all).
+        """
+        entry = self.find(key)
+        if entry is not None and entry.dirty:
+            self.tiers[entry.tier].start_write(entry, None)
+            self.write_backs[key] = WriteBack(entry)
+            return
+        if entry is not None:
+            self.discard(entry)
+        self.write_backs[key] = WriteBack(Entry(key, meta, HOST, tensor), through=True)
+
+    def end_write_through(
+        self, key: str, meta: Meta, *, ok: bool, stored: Meta | None = None
+    ) -> None:
+        """The write-through of ``key`` ended; after a failure the key's metadata is that of its
+        set-aside entry, or ``stored`` (what the store holds: ``None`` when it lacks the key)."""
+        wb = self.write_backs.pop(key)
+        if not wb.through:  # the replaced dirty entry: freed once written, back on failure
+            self.tiers[wb.entry.tier].end_write(wb, failed=not ok, earmark=False)
         if ok:
             self.count_io("written", meta.nbytes)
-        else:  # the store still holds the old value: look its shape up again
+        elif not wb.through:
+            self.meta[key] = wb.entry.meta
+        elif stored is not None:  # the store still holds the old value
+            self.meta[key] = stored
+        else:
             self.meta.pop(key, None)
         self.gate.wake()
 

@@ -82,6 +82,9 @@ class WriteBack:
 
     entry: Entry
     for_key: str | None = None  # whose read the freed bytes are set aside for
+    # a write-through of a key with no dirty entry: ``entry`` wraps the caller's tensor and
+    # counts in no tier
+    through: bool = False
 
 
 class Tier:

@@ -163,27 +163,36 @@ class TierCache:
         target = self._put_target(key, meta, tier)
         with self._cv:
             self._gate.check_open()
-            self._settle_key(key, allow_pinned=target != NVME)
-            self._core.meta[key] = meta
+            # a write-through takes the cached entry over (begin_write_through)
+            self._settle_key(key, allow_pinned=target != NVME, drop=False)
             self.policy.access(key)
             if target != NVME:
                 self._put_in_tier(key, tensor, meta, target)
-                self._read_ahead(target)
             else:
                 self._core.begin_write_through(key, meta, tensor)
+            # only now: a put that raised above (pins, a failed write-back it waited for)
+            # leaves the shape that reads of the key from the store expect
+            self._core.meta[key] = meta
+            if target != NVME:
+                self._read_ahead(target)
         self._gate.drain()
         if target == NVME:
             self._write_through(key, tensor, meta)
 
     def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
-        """Write ``tensor`` to the store (lock not held); on failure forget its metadata."""
+        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value.
+
+        After a failure the shape of the value the store still holds is looked up again (here,
+        outside the lock), so gets that waited for the write read that value.
+        """
         ok = False
         try:
             self.store.put(key, tensor)
             ok = True
         finally:
+            stored = None if ok else self._core.stored_meta(key)
             with self._cv:
-                self._core.end_write_through(key, meta, ok=ok)
+                self._core.end_write_through(key, meta, ok=ok, stored=stored)
 
     def prefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.
@@ -416,7 +425,9 @@ class TierCache:
             self._gate.wait()
             return None
         self._prefetch.drop(key)
-        meta = self._core.meta[key]
+        meta = self._core.meta.get(key)
+        if meta is None:  # deleted, or written through and failed, while the caller waited
+            raise KeyNotFoundError(f"key {key!r} is not in the cache or its store")
         tier: TierName = HOST if meta.footprint <= self._tiers[HOST].budget else target
         if not self._core.reserve(tier, meta.footprint, key, prefetch=False, wait=True):
             return None  # the lock was released while waiting; the caller looks again
@@ -434,6 +445,13 @@ class TierCache:
         return self._core.tier_for(tier, meta, key)
 
     def _put_in_tier(self, key: str, tensor: torch.Tensor, meta: Meta, target: TierName) -> None:
+        """Place a copy of ``tensor`` in ``target`` (lock held; may wait for room).
+
+        A cached value of ``key`` that cannot be updated in place is dropped only when the
+        put cannot fail any more, or the store has it: a dirty one whose room is needed is
+        written down first, as an eviction would, so that a put which then raises (a failed
+        write-back reported here, pins) leaves the key its value.
+        """
         while True:
             self._core.raise_errors()
             entry = self._core.find(key)
@@ -443,6 +461,10 @@ class TierCache:
                 return
             if entry is not None and entry.pins:
                 raise PinnedError(f"{key!r} is pinned with another shape or tier; unpin first")
+            if entry is not None and entry.dirty and not self._fits_instead(entry, meta, target):
+                self._core.evict(entry, demote=False)
+                self._settle_key(key, allow_pinned=True)  # wait for the write
+                continue
             if entry is not None:
                 self._core.discard(entry)
             if self._core.reserve(target, meta.footprint, key, prefetch=False, wait=True):
@@ -450,8 +472,14 @@ class TierCache:
                 return
             self._settle_key(key, allow_pinned=True)
 
-    def _settle_key(self, key: str, *, allow_pinned: bool) -> bool:
-        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry.
+    def _fits_instead(self, entry: Entry, meta: Meta, target: TierName) -> bool:
+        """Whether an item of ``meta`` fits in ``target`` now, in place of ``entry``."""
+        freed = entry.size if entry.tier == target else 0
+        return self._tiers[target].room(entry.key) + freed >= meta.footprint
+
+    def _settle_key(self, key: str, *, allow_pinned: bool, drop: bool = True) -> bool:
+        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry
+        (unless ``drop`` is false: the caller takes it over).
 
         Returns whether the key was cached.
         """
@@ -469,6 +497,6 @@ class TierCache:
                 break
         if entry is not None:
             cached = True
-            if not allow_pinned:
+            if not allow_pinned and drop:
                 self._core.discard(entry)
         return cached
