@@ -99,7 +99,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(key=KEYS)
     def evict(self, key: str) -> None:
         self.cache.evict(key)
-        assert self.cache.where(key) is None
+        # not `where(key) is None`: a prefetch still queued may read the key back in at once
+        if key in self.model:
+            torch.testing.assert_close(self.store.get(key), self.model[key], rtol=0, atol=0)
 
     @rule(key=KEYS)
     def delete(self, key: str) -> None:
