@@ -152,3 +152,23 @@ def test_load_snapshot_keeps_the_tiers(tmp_path) -> None:
         assert stats["device"]["budget"] == device
         assert stats["device"]["used"] > 0
         assert stats["device"]["hits"] > 0
+
+
+def test_resident_slices_step_spread_among_streamed_ones() -> None:
+    """The step order mixes resident slices (no disk) evenly into the streamed ones, keeping
+    each kind in its order, so reads of streamed slices proceed while resident ones step."""
+
+    class Piece:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+    pieces = [Piece(i) for i in range(10)]
+    placement = {i: "host" for i in range(7)}  # a resident prefix, as lookahead keeps
+    order = [p.index for p in _layout.interleave(pieces, placement)]
+    assert sorted(order) == list(range(10))
+    assert [i for i in order if i in placement] == list(range(7))
+    assert [i for i in order if i not in placement] == [7, 8, 9]
+    assert order[0] == 7  # a streamed slice first: its read started during backward
+    gaps = [order.index(i) for i in (7, 8, 9)]
+    assert max(b - a for a, b in zip(gaps, gaps[1:])) <= 4  # no long run without the disk
+    assert [p.index for p in _layout.interleave(pieces, {})] == list(range(10))

@@ -29,6 +29,7 @@ __all__ = [
     "STREAM_FLOOR",
     "STREAM_SLICES",
     "Layout",
+    "interleave",
     "plan_layout",
 ]
 
@@ -137,3 +138,22 @@ def _chunk_for(target: int) -> int:
     while chunk * 2 <= target // 4 and chunk < MAX_CHUNK_BYTES:
         chunk *= 2
     return chunk
+
+
+def interleave(pieces: list[Slice], placement: dict[int, TierName]) -> list[Slice]:
+    """``pieces`` reordered so that the resident ones are spread evenly among the streamed
+    ones, each in its own order: while a resident slice steps (no disk), the reads of the next
+    streamed ones go on, so disk time hides behind the step's arithmetic instead of coming all
+    at once after it. Slices step independently, so any order gives the same results."""
+    streamed = [p for p in pieces if p.index not in placement]
+    resident = [p for p in pieces if p.index in placement]
+    if not streamed or not resident:
+        return pieces
+    order: list[Slice] = []
+    given = 0
+    for position, piece in enumerate(streamed, start=1):
+        order.append(piece)
+        due = len(resident) * position // len(streamed)  # residents owed after this one
+        order.extend(resident[given:due])
+        given = due
+    return order

@@ -30,7 +30,7 @@ from tierswap.optim._backend import StateBackend
 from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
-from tierswap.optim._layout import Layout, plan_layout
+from tierswap.optim._layout import Layout, interleave, plan_layout
 from tierswap.optim._memory import fix_mmap_threshold, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import Slice, Slot, local_tensor, master_dtype
@@ -369,6 +369,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             for piece in self._layout.slices
             if piece.index not in self._state.stepped and any(s.index in live for s in piece.slots)
         ]
+        pieces = interleave(pieces, self._layout.placement)
         try:
             self._step_slices(pieces, live)
             if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
