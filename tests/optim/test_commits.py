@@ -67,14 +67,15 @@ def test_auto_counts_the_params_a_due_step_writes() -> None:
 def test_an_explicit_commit_restarts_the_interval() -> None:
     time = FakeTime()
     clock = CommitClock("auto", time)
-    _train(clock, time, 1, 1.0, 1.0)  # the first step commits: a commit costs 1 s
-    time.now += 8.5
+    _train(clock, time, 2, 1.0, 1.0)  # step 1 commits (1 s); step 2 runs without, timed
+    time.now += 7.0
     clock.committed(1.0)  # commit() by hand
-    time.now += 8.5
-    assert not clock.due(2)  # 8.5 s since the last commit: below 9 x 1 s
+    time.now += 7.0
+    assert not clock.due(3)  # 7 s since that commit and a 1 s step: below 9 x 1 s
     time.now += 1.0
-    assert not clock.due(2)  # decided once per step
-    assert clock.due(3)
+    clock.stepped()
+    assert not clock.due(3)  # decided once per step
+    assert clock.due(4)  # 8 s and a 1 s step
 
 
 @pytest.mark.parametrize("every", [-1, 1.5, "sometimes", True])
@@ -97,3 +98,13 @@ def test_auto_is_the_default_and_close_commits_what_is_left(tmp_path) -> None:
         assert opt.steps == 3
         for a, b in zip(again.parameters(), expected, strict=True):
             assert torch.equal(a, b)
+
+
+def test_auto_measures_a_step_without_a_commit_before_committing_again() -> None:
+    """Were every step due, the params' writes would never be priced: a step whose commit
+    costs little but whose params' writes cost a lot would commit every time."""
+    time = FakeTime()
+    clock = CommitClock("auto", time)
+    committed = _train(clock, time, 50, 0.5, 0.001, param_write_s=0.5)
+    assert committed[:2] != [1, 2]  # the second step runs without a commit, and is timed
+    assert len(committed) * (0.001 + 0.5) <= AUTO_SHARE * time.now * 1.1

@@ -4,6 +4,8 @@ tier holds and serves."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -163,12 +165,12 @@ def test_resident_slices_step_spread_among_streamed_ones() -> None:
             self.index = index
 
     pieces = [Piece(i) for i in range(10)]
-    placement = {i: "host" for i in range(7)}  # a resident prefix, as lookahead keeps
+    placement = dict.fromkeys(range(7), "host")  # a resident prefix, as lookahead keeps
     order = [p.index for p in _layout.interleave(pieces, placement)]
     assert sorted(order) == list(range(10))
     assert [i for i in order if i in placement] == list(range(7))
     assert [i for i in order if i not in placement] == [7, 8, 9]
     assert order[0] == 7  # a streamed slice first: its read started during backward
     gaps = [order.index(i) for i in (7, 8, 9)]
-    assert max(b - a for a, b in zip(gaps, gaps[1:])) <= 4  # no long run without the disk
+    assert max(b - a for a, b in itertools.pairwise(gaps)) <= 4  # no long run without the disk
     assert [p.index for p in _layout.interleave(pieces, {})] == list(range(10))

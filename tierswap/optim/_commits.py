@@ -53,6 +53,8 @@ class CommitClock:
             due = bool(self.every) and step % self.every == 0
         elif self._cost is None:
             due = True  # nothing measured yet
+        elif self._plain is None:  # measure a step without a commit once, to price the params
+            due = False
         else:  # the time the commit would end, had the step the length of the last one
             elapsed = now - self._last_commit + (self._plain or 0.0)
             due = elapsed * AUTO_SHARE >= self._cost * (1 - AUTO_SHARE)
