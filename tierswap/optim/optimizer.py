@@ -5,8 +5,9 @@ optimizer. The flattened parameters are cut into fixed-size **slices** (a large 
 several, small ones share one). Each ``step()`` runs the slices through the store's
 :class:`~tierswap.pipeline.Pipeline`: the next slices' state is read while the current one steps
 (torch's own kernel, on flat views) and the previous ones are written back, each byte read once
-and written once. A prefix of the slices that fits in the host budget beside the pipeline's
-buffers stays resident. Per-element math is independent across elements, and a parameter whose
+and written once. The slices the policy keeps resident (in the device tier, then in host
+memory beside the pipeline's buffers) step spread among the streamed ones, so the disk keeps
+working while they step. Per-element math is independent across elements, and a parameter whose
 optimizer's math spans it (Muon, Adafactor) is never cut (both checked at construction), so
 stepping in slices is bitwise equal to stepping all at once.
 """
