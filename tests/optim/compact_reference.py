@@ -18,6 +18,12 @@ import torch
 from tierswap.optim.formats import MomentFormat, round_half_up_bf16
 
 
+def inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``n`` fixed batches of 8 x 128 in ``dtype`` (the test models take 128 features)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
+
+
 def backward(model: torch.nn.Module, x: torch.Tensor) -> None:
     model.zero_grad()
     model(x).float().square().mean().backward()

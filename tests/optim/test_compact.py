@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.optim.compact_reference import CompactReference, backward
+from tests.optim.compact_reference import CompactReference, backward, inputs
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim._partition import Segment
@@ -54,11 +54,6 @@ class Wide(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
-
-
-def _inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
 
 
 _backward = backward
@@ -117,7 +112,7 @@ def test_compact_moments_equal_a_rounded_reference_bitwise(
         cuts = [seg for s in swap.slices for seg in s.segments if seg.slot.param is big]
         whole = Segment(cuts[0].slot, 0, big.numel())
         assert len(cuts) > 1 or whole.working_set <= swap.host_budget
-        for x in _inputs(4, dtype):
+        for x in inputs(4, dtype):
             reference.step(x)
             _swap_step(swapped, swap, x)
             _assert_same(plain, swapped)
@@ -127,7 +122,7 @@ def test_compact_moments_equal_a_rounded_reference_bitwise(
 def test_8bit_slices_cut_at_block_boundaries_and_store_codes_and_scales() -> None:
     _, model = _pair(torch.float32)
     with _swap(model, "adamw", state_precision="8bit") as swap:
-        _swap_step(model, swap, _inputs(1, torch.float32)[0])
+        _swap_step(model, swap, inputs(1, torch.float32)[0])
         for piece in swap.slices:
             for seg in piece.segments:
                 if seg.slot.stored_precision == "8bit":
@@ -148,7 +143,7 @@ def test_remainder_masters_equal_fp32_masters_cast_half_up(precision: str) -> No
     reference = Reference(plain, "adamw", precision, master="remainder")
     with _swap(swapped, "adamw", state_precision=precision, master="remainder") as swap:
         assert not any(k.endswith("/master") for k in swap._backend.store.keys())  # noqa: SIM118 (a list)
-        for x in _inputs(4, torch.bfloat16):
+        for x in inputs(4, torch.bfloat16):
             reference.step(x)
             _swap_step(swapped, swap, x)
             _assert_same(plain, swapped)
@@ -163,7 +158,7 @@ def test_master_remainder_is_ignored_for_fp32_parameters() -> None:
     plain, swapped = _pair(torch.float32)
     reference = Reference(plain, "adamw", "fp32")
     with _swap(swapped, "adamw", master="remainder") as swap:
-        for x in _inputs(2, torch.float32):
+        for x in inputs(2, torch.float32):
             reference.step(x)
             _swap_step(swapped, swap, x)
         _assert_same(plain, swapped)
@@ -177,7 +172,7 @@ def _bytes_per_step(dtype: torch.dtype, tmp_path: Any, **settings: Any) -> tuple
     numel = sum(p.numel() for p in model.parameters())
     with _swap(model, "adamw", swap_dir=tmp_path / "s", commit_every=0, **settings) as swap:
         assert not swap.placement, "a slice stayed resident"
-        xs = _inputs(3, dtype)
+        xs = inputs(3, dtype)
         _swap_step(model, swap, xs[0])
         swap._backend.pipeline.drain()
         before = swap.tier_stats()["nvme"]
@@ -281,7 +276,7 @@ def test_resume_after_close_continues_bitwise(tmp_path: Any) -> None:
     plain, swapped = _pair(torch.bfloat16)
     reference = Reference(plain, "adamw", "8bit", master="remainder")
     settings = {"state_precision": "8bit", "master": "remainder", "swap_dir": tmp_path / "s"}
-    xs = _inputs(5, torch.bfloat16)
+    xs = inputs(5, torch.bfloat16)
     with _swap(swapped, "adamw", **settings) as swap:
         for x in xs[:3]:
             reference.step(x)
@@ -317,7 +312,7 @@ def test_resume_with_another_format_is_refused_and_writes_nothing(
     _, model = _pair(torch.bfloat16)
     folder = tmp_path / "s"
     with _swap(model, "adamw", swap_dir=folder, **first) as swap:
-        _swap_step(model, swap, _inputs(1, torch.bfloat16)[0])
+        _swap_step(model, swap, inputs(1, torch.bfloat16)[0])
     files = {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
     (setting,) = (then.keys() | first.keys()) - {k for k in first if first[k] == then.get(k)}
     with pytest.raises(ConfigError, match=setting) as caught:
@@ -336,7 +331,7 @@ def test_state_dict_round_trip_decodes_and_encodes(precision: str) -> None:
     plain, swapped = _pair(torch.bfloat16)
     reference = Reference(plain, "adamw", precision, master="remainder")
     with _swap(swapped, "adamw", state_precision=precision, master="remainder") as swap:
-        for x in _inputs(2, torch.bfloat16):
+        for x in inputs(2, torch.bfloat16):
             reference.step(x)
             _swap_step(swapped, swap, x)
         saved = swap.state_dict()
@@ -368,7 +363,7 @@ def test_state_dict_round_trip_decodes_and_encodes(precision: str) -> None:
                 for i, st in saved["state"].items()
                 for k, v in st.items()
             )
-        for x in _inputs(2, torch.bfloat16):
+        for x in inputs(2, torch.bfloat16):
             reference.step(x)
             _swap_step(other, swap, x)
         _assert_same(plain, other)
@@ -378,7 +373,7 @@ def test_state_dict_round_trip_decodes_and_encodes(precision: str) -> None:
 def test_fp32_state_dict_loads_into_8bit_rounded_once() -> None:
     plain, swapped = _pair(torch.float32)
     fp32 = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    for x in _inputs(2, torch.float32):
+    for x in inputs(2, torch.float32):
         _backward(plain, x)
         fp32.step()
     saved = fp32.state_dict()
@@ -395,7 +390,7 @@ def test_snapshot_keeps_the_format_and_resumes_from_it(tmp_path: Any) -> None:
     plain, swapped = _pair(torch.bfloat16)
     reference = Reference(plain, "adamw", "bf16", master="remainder")
     settings = {"state_precision": "bf16", "master": "remainder"}
-    xs = _inputs(4, torch.bfloat16)
+    xs = inputs(4, torch.bfloat16)
     with _swap(swapped, "adamw", swap_dir=tmp_path / "run", **settings) as swap:
         for x in xs[:2]:
             reference.step(x)
@@ -428,7 +423,7 @@ def test_inspect_shows_the_formats(tmp_path: Any, capsys: pytest.CaptureFixture[
     _, model = _pair(torch.bfloat16)
     settings = {"state_precision": "8bit", "master": "remainder"}
     with _swap(model, "adamw", swap_dir=tmp_path / "s", **settings) as swap:
-        _swap_step(model, swap, _inputs(1, torch.bfloat16)[0])
+        _swap_step(model, swap, inputs(1, torch.bfloat16)[0])
     assert main(["inspect", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
     assert "formats     state_precision=8bit, master=remainder" in text

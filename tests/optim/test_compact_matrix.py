@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.optim.compact_reference import CompactReference, backward
+from tests.optim.compact_reference import CompactReference, backward, inputs
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.formats import MIN_8BIT_NUMEL
@@ -54,11 +54,6 @@ class Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.big(x)))
-
-
-def _inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(8, 128, generator=gen).to(dtype) for _ in range(n)]
 
 
 def _models(dtype: torch.dtype) -> tuple[Net, Net]:
@@ -149,7 +144,7 @@ def test_every_per_element_optimizer_stores_its_moments_compact(
         case,
         precision=precision,
         reference_precision=precision,
-        xs=_inputs(3, dtype),
+        xs=inputs(3, dtype),
     ) as swap:
         _assert_state_equal(swap.reference, swap)  # type: ignore[attr-defined]
         stored = _stored_dtypes(swap)
@@ -177,7 +172,7 @@ def test_state_that_is_not_moments_or_is_stepped_whole_stays_fp32_and_exact(
     budget = {"host_budget": "2MiB"} if name in WHOLE else {}  # a whole matrix per slice
     with _run(
         plain, swapped, case, precision=precision, reference_precision="fp32",
-        xs=_inputs(3, dtype), **budget,
+        xs=inputs(3, dtype), **budget,
     ) as swap:  # fmt: skip
         _assert_state_equal(swap.reference, swap)  # type: ignore[attr-defined]
         stored = _stored_dtypes(swap)
@@ -198,7 +193,7 @@ def test_a_muon_group_beside_adamw_keeps_its_state_exact_while_adamw_compacts() 
         groups, torch.optim.AdamW, lr=1e-2, state_precision="bf16", host_budget="2MiB"
     )
     with swap:
-        for x in _inputs(2, torch.float32):
+        for x in inputs(2, torch.float32):
             backward(model, x)
             swap.step()
         stored = _stored_dtypes(swap)
@@ -215,7 +210,7 @@ def test_resume_and_snapshot_carry_each_format_over(
     last step: bitwise the four steps of the reference loop."""
     plain, swapped = _models(torch.bfloat16)
     case = MOMENTS[name]
-    xs = _inputs(4, torch.bfloat16)
+    xs = inputs(4, torch.bfloat16)
     folder = {"swap_dir": tmp_path / "run"}
     with _run(
         plain, swapped, case, precision=precision, reference_precision=precision, xs=xs[:2],
@@ -253,7 +248,7 @@ def test_resuming_a_snapshot_with_another_precision_names_both(
     case = MOMENTS["sgd-momentum"]
     with _run(
         plain, swapped, case, precision=first, reference_precision=first,
-        xs=_inputs(1, torch.float32),
+        xs=inputs(1, torch.float32),
     ) as swap:  # fmt: skip
         swap.snapshot(tmp_path / "snap")
     optimizer_class, kwargs = case
