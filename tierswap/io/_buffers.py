@@ -52,7 +52,10 @@ def _anonymous_map(nbytes: int) -> mmap.mmap:
     Large mappings ask for transparent huge pages: a fresh buffer filled by O_DIRECT reads
     otherwise takes one page fault per 4 KiB, which costs more than the disk time.
     """
-    mapping = mmap.mmap(-1, nbytes)
+    # Private, not Python's default MAP_SHARED: shared anonymous memory is shmem, which takes no
+    # transparent huge pages (shmem_enabled is usually "never") and stays shared with a child
+    # after fork.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return mapping
