@@ -87,12 +87,18 @@ class RecordingTransfers:
         self._thread.join()
 
     # ------------------------------------------------------------------ the interface
-    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+    def to_device(
+        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+    ) -> ToDevice:
         number = next(self._numbers)
-        device_tensor = _garbage_like(host_tensor)
+        if device_tensor is None:
+            device_tensor = _garbage_like(host_tensor)
+        else:  # what a GPU's buffer holds before its copy runs
+            device_tensor.fill_(float("nan") if device_tensor.is_floating_point() else 90)
+        target = device_tensor
         self.note("h2d", (host_tensor.data_ptr(), device_tensor.data_ptr()), number)
         done = self._later(
-            lambda: device_tensor.copy_(host_tensor),
+            lambda: target.copy_(host_tensor),
             Op("h2d_done", number, (device_tensor.data_ptr(),)),
         )
         return ToDevice(device_tensor, number, done)

@@ -28,7 +28,7 @@ from tierswap.cache._tiers import (
     WriteBack,
 )
 from tierswap.config import format_size
-from tierswap.engine import allocate
+from tierswap.engine import Transfers, allocate, download, upload
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import BudgetError, ConfigError
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -72,8 +72,11 @@ class CacheCore:
         tiers: dict[TierName, Tier],
         gate: Gate,
         queued: Callable[[], set[str]],
+        *,
+        transfers: Transfers,
     ) -> None:
         self.store = store
+        self.transfers = transfers  # host <-> device copies (the engine's one path for them)
         self.policy = policy
         self.tiers = tiers
         self.gate = gate
@@ -311,7 +314,7 @@ class CacheCore:
         """Copy ``entry`` into ``target`` (its bytes reserved there) and free its old bytes."""
         src, dst = self.tiers[entry.tier], self.tiers[target]
         buf = self._buffer(dst, entry.meta)
-        buf.copy_(entry.tensor)
+        self.copy_into(buf, target, entry.tensor, from_device=entry.tier == DEVICE)
         src.discard(entry)
         src.ledger.bytes_out += entry.meta.nbytes
         dst.ledger.bytes_in += entry.meta.nbytes
@@ -330,8 +333,21 @@ class CacheCore:
         """A dirty entry holding a copy of ``tensor`` in ``tier`` (bytes reserved)."""
         t = self.tiers[tier]
         buf = self._buffer(t, meta)
-        buf.copy_(tensor)
+        self.copy_into(buf, tier, tensor, from_device=tensor.device.type != "cpu")
         t.add(Entry(key, meta, tier, buf, dirty=True))
+
+    def copy_into(
+        self, buf: torch.Tensor, tier: TierName, source: torch.Tensor, *, from_device: bool
+    ) -> None:
+        """Copy ``source`` into ``buf``, memory of ``tier``, and wait for it (the cache hands
+        its tensors out at once): into the device tier, or out of device memory
+        (``from_device``), through the engine's transfer layer; host to host, a plain copy."""
+        if self.transfers.moves and tier == DEVICE:
+            upload(self.transfers, source, buf)
+        elif self.transfers.moves and from_device:
+            download(self.transfers, source, buf)
+        else:
+            buf.copy_(source)
 
     @staticmethod
     def _buffer(t: Tier, meta: Meta) -> torch.Tensor:
@@ -387,20 +403,24 @@ class CacheCore:
 
     # ---------------------------------------------------------------- I/O (lock not held)
     def _launch_load(self, entry: Entry) -> None:
-        on_cpu = entry.tensor.device.type == "cpu"
+        direct = not self._through_transfers(entry)  # the store reads into the entry's memory
         try:
-            future = self.store.get_async(entry.key, out=entry.tensor if on_cpu else None)
+            future = self.store.get_async(entry.key, out=entry.tensor if direct else None)
         except BaseException as exc:
             self._loaded(entry, None, exc)
             return
         future.add_done_callback(lambda f: self._loaded(entry, f, None))
 
+    def _through_transfers(self, entry: Entry) -> bool:
+        """Whether ``entry``'s memory is the device's, reached through the transfer layer."""
+        return self.transfers.moves and entry.tier == DEVICE
+
     def _loaded(self, entry: Entry, future: Any, error: BaseException | None) -> None:
         try:
             if future is not None:
                 result = future.result()
-                if entry.tensor.device.type != "cpu":
-                    entry.tensor.copy_(result)
+                if self._through_transfers(entry):
+                    upload(self.transfers, result, entry.tensor)
         except BaseException as exc:
             error = exc
         with self.cv:

@@ -34,7 +34,7 @@ from tierswap.cache._gate import Gate
 from tierswap.cache._prefetch import Prefetcher
 from tierswap.cache._tiers import FAILED, FLUSHING, LOADING, READY, TIERS, Entry, Meta, Tier
 from tierswap.config import format_size, parse_size
-from tierswap.engine import CacheStats, EvictionPolicy, make_policy
+from tierswap.engine import CacheStats, EvictionPolicy, make_policy, transfers_for
 from tierswap.errors import (
     InvalidTensorError,
     KeyNotFoundError,
@@ -110,7 +110,10 @@ class TierCache:
         }
         self.policy = make_policy(policy)
         self._prefetch = Prefetcher()
-        self._core = CacheCore(store, self.policy, self._tiers, self._gate, self._prefetch.queued)
+        self._core = CacheCore(
+            store, self.policy, self._tiers, self._gate, self._prefetch.queued,
+            transfers=transfers_for(self.device),
+        )  # fmt: skip
         self._gate.start(self._plan)
         close_at_exit(self)
 
@@ -456,7 +459,10 @@ class TierCache:
             self._core.raise_errors()
             entry = self._core.find(key)
             if entry is not None and entry.tier == target and entry.meta == meta:
-                entry.tensor.copy_(tensor)  # same shape: update in place, pinned or not
+                # same shape: update in place, pinned or not
+                self._core.copy_into(
+                    entry.tensor, target, tensor, from_device=tensor.device.type != "cpu"
+                )
                 entry.dirty = True
                 return
             if entry is not None and entry.pins:

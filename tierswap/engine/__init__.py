@@ -27,7 +27,9 @@ from tierswap.engine.transfer import (
     ToHost,
     Transfers,
     completed,
+    download,
     transfers_for,
+    upload,
 )
 
 __all__ = [
@@ -49,9 +51,11 @@ __all__ = [
     "allocate",
     "base_bytes",
     "completed",
+    "download",
     "kept",
     "make_policy",
     "place",
     "simulate",
     "transfers_for",
+    "upload",
 ]

@@ -37,12 +37,14 @@ from tierswap.engine._pool import allocate
 
 __all__ = [
     "CudaTransfers",
+    "download",
     "PassThrough",
     "ToDevice",
     "ToHost",
     "Transfers",
     "completed",
     "transfers_for",
+    "upload",
 ]
 
 
@@ -84,8 +86,11 @@ class Transfers(Protocol):
     device: torch.device
     moves: bool
 
-    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
-        """Start copying ``host_tensor`` to the device."""
+    def to_device(
+        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+    ) -> ToDevice:
+        """Start copying ``host_tensor`` to the device: into ``device_tensor`` (same shape and
+        dtype), or a new tensor when ``None``."""
         ...
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
@@ -132,8 +137,13 @@ class PassThrough:
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device if device is not None else torch.device("cpu")
 
-    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
-        return ToDevice(host_tensor, None, completed())
+    def to_device(
+        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+    ) -> ToDevice:
+        if device_tensor is None or _same_memory(host_tensor, device_tensor):
+            return ToDevice(host_tensor, None, completed())
+        device_tensor.copy_(host_tensor)
+        return ToDevice(device_tensor, None, completed())
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
         return copy.device_tensor
@@ -209,9 +219,14 @@ class CudaTransfers:
         the copies)."""
         return self._upload, self._download
 
-    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+    def to_device(
+        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+    ) -> ToDevice:
+        if device_tensor is not None:  # allocated on the compute stream: the copy waits for it
+            self._upload.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._upload):
-            device_tensor = torch.empty_like(host_tensor, device=self.device)
+            if device_tensor is None:
+                device_tensor = torch.empty_like(host_tensor, device=self.device)
             device_tensor.copy_(host_tensor, non_blocking=True)
         h2d_event = self._upload.record_event()
         return ToDevice(
@@ -254,3 +269,19 @@ def transfers_for(device: torch.device) -> Transfers:
         if index not in _CUDA:
             _CUDA[index] = CudaTransfers(torch.device("cuda", index))
         return _CUDA[index]
+
+
+def upload(transfers: Transfers, source: torch.Tensor, device_tensor: torch.Tensor) -> None:
+    """Copy ``source`` into ``device_tensor`` (memory of ``transfers``' device) and wait until
+    it is there: the blocking form of :meth:`Transfers.to_device`, for front ends whose callers
+    get the tensor at once (the keyed cache)."""
+    copy = transfers.to_device(source, device_tensor)
+    transfers.ready(copy)
+    copy.done.result()
+
+
+def download(transfers: Transfers, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
+    """Copy ``device_tensor`` into ``host_tensor`` (same number of elements) and wait until the
+    bytes have landed: the blocking form of :meth:`Transfers.to_host`."""
+    copy = transfers.to_host(device_tensor, host_tensor.view(-1))
+    copy.done.result()
