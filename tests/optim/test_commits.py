@@ -108,3 +108,16 @@ def test_auto_measures_a_step_without_a_commit_before_committing_again() -> None
     committed = _train(clock, time, 50, 0.5, 0.001, param_write_s=0.5)
     assert committed[:2] != [1, 2]  # the second step runs without a commit, and is timed
     assert len(committed) * (0.001 + 0.5) <= AUTO_SHARE * time.now * 1.1
+
+
+def test_auto_commits_every_step_under_torch_distributed(monkeypatch, tmp_path) -> None:
+    """Each rank commits its own folder and a resume needs them all at one step: "auto",
+    which times each rank's commits on its own, would let them drift apart."""
+    from tierswap.optim import optimizer
+
+    monkeypatch.setattr(optimizer, "world", lambda: (0, 2))
+    model = torch.nn.Linear(4, 4)
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", lr=0.1) as opt:
+        assert opt._commits.every == 1
+    with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "t", commit_every=5) as opt:
+        assert opt._commits.every == 5

@@ -38,7 +38,7 @@ from tierswap.optim._partition import Slice, Slot, local_tensor, master_dtype
 from tierswap.optim._probe import check_class, own_defaults, probe_group, whole_state
 from tierswap.optim._slice_step import StepPlan, slice_reads, step_slice
 from tierswap.optim._step_state import StepState
-from tierswap.optim.distributed import check_resumed_steps
+from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
 from tierswap.pipeline import Job, Region
 from tierswap.store import Progress, SnapshotResult, StorePaths
@@ -80,9 +80,10 @@ class SwapOptimizer(torch.optim.Optimizer):
     commit_every:
         When the swap folder commits atomically (a restart point). ``"auto"`` (default):
         whenever the time since the last commit reaches nine times what that commit cost, so
-        commits take about a tenth of the training time whatever stays resident; ``N``: every
-        N steps; ``0``: only on :meth:`commit`. :meth:`close` commits the steps since the
-        last commit.
+        commits take about a tenth of the training time whatever stays resident (under
+        ``torch.distributed``, where all ranks must commit the same steps: every step); ``N``:
+        every N steps; ``0``: only on :meth:`commit`. :meth:`close` commits the steps since
+        the last commit.
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
@@ -178,7 +179,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         super().__init__(inner.param_groups, inner.defaults)
         self._state = StepState()
         self.state = _state_dict.SwappedState(self._state)  # true when the swap space holds state
-        self._commits = CommitClock(config.commit_every)  # when a step ends with a commit
+        self._commits = CommitClock(_commit_every(config.commit_every))
         self._requests = _snapshot.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
@@ -693,6 +694,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             f"slices={len(self._layout.slices)}, tier={self.tier!r}, "
             f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
         )
+
+
+def _commit_every(every: int | str) -> int | str:
+    """``commit_every`` as the clock applies it: under ``torch.distributed`` every rank must
+    commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
+    so there it commits every step."""
+    return 1 if every == "auto" and world()[1] > 1 else every
 
 
 def _compute_device(tier: str) -> torch.device:
