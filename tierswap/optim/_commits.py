@@ -56,7 +56,7 @@ class CommitClock:
         elif self._plain is None:  # measure a step without a commit once, to price the params
             due = False
         else:  # the time the commit would end, had the step the length of the last one
-            elapsed = now - self._last_commit + (self._plain or 0.0)
+            elapsed = now - self._last_commit + self._plain
             due = elapsed * AUTO_SHARE >= self._cost * (1 - AUTO_SHARE)
         self._decided, self._started = (step, due), now
         return due
