@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.cache.books import assert_books_balance
 from tierswap import SwapStore, TierCache
 from tierswap.cache._tiers import footprint
 from tierswap.errors import BudgetError, KeyNotFoundError
@@ -123,16 +124,8 @@ class CacheMachine(RuleBasedStateMachine):
     def budgets_hold(self) -> None:
         if self.cache is None:
             return
-        stats = self.cache.stats()
-        assert stats.device.used <= self.budgets["device"]
-        assert stats.host.used <= self.budgets["host"]
         with self.cache._cv:  # white-box: each ledger's count matches what the tiers hold
-            for tier in self.cache._tiers.values():
-                held = sum(e.size for e in tier.entries.values())
-                assert tier.used == held + tier.writing + sum(tier.earmarks.values())
-                assert tier.used == tier.ledger.used <= tier.ledger.budget
-                assert tier.balanced()
-                tier.check()
+            assert_books_balance(self.cache, self.budgets)
 
     def teardown(self) -> None:
         try:
