@@ -154,35 +154,33 @@ class RecordingTransfers:
 # ---------------------------------------------------------------------- checks of a log
 def steps_after_their_copies(log: list[Op]) -> list[str]:
     """Violations: a ``step`` op using a copied tensor whose copy was not waited for before."""
-    copy_of: dict[int, int] = {}  # device ptr -> the latest copy into it
-    waited: set[int] = set()
-    problems = []
-    for index, op in enumerate(log):
-        if op.kind == "h2d":
-            copy_of[op.ptrs[1]] = op.copy
-        elif op.kind == "wait":
-            waited.add(op.copy)
-        elif op.kind == "step":
-            late = [p for p in op.ptrs if p in copy_of and copy_of[p] not in waited]
-            if late:
-                problems.append(f"op {index}: a step used copies {late} before waiting for them")
-    return problems
+    return _used_before(
+        log, ("h2d", "wait", "step"), "a step used copies {} before waiting for them"
+    )
 
 
 def writes_after_landing(log: list[Op]) -> list[str]:
     """Violations: a ``write`` op of a host tensor whose copy back had not landed."""
-    landing: dict[int, int] = {}  # host ptr -> the latest copy back into it
-    landed: set[int] = set()
+    return _used_before(log, ("d2h", "d2h_done", "write"), "wrote {} before its copy back landed")
+
+
+def _used_before(log: list[Op], kinds: tuple[str, str, str], message: str) -> list[str]:
+    """Violations of one ordering: ``kinds`` are (a copy issued into ``ptrs[1]``, that copy
+    done, an op using ``ptrs``); a use of a pointer whose latest copy is not done is one,
+    described by ``message`` with the late pointers."""
+    issued, done, use = kinds
+    latest: dict[int, int] = {}  # destination ptr -> the latest copy into it
+    finished: set[int] = set()
     problems = []
     for index, op in enumerate(log):
-        if op.kind == "d2h":
-            landing[op.ptrs[1]] = op.copy
-        elif op.kind == "d2h_done":
-            landed.add(op.copy)
-        elif op.kind == "write":
-            late = [p for p in op.ptrs if p in landing and landing[p] not in landed]
+        if op.kind == issued:
+            latest[op.ptrs[1]] = op.copy
+        elif op.kind == done:
+            finished.add(op.copy)
+        elif op.kind == use:
+            late = [p for p in op.ptrs if p in latest and latest[p] not in finished]
             if late:
-                problems.append(f"op {index}: wrote {late} before its copy back landed")
+                problems.append(f"op {index}: {message.format(late)}")
     return problems
 
 
