@@ -56,9 +56,6 @@ class Wide(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-_backward = backward
-
-
 def Reference(  # noqa: N802 (reads as the class it makes)
     model: torch.nn.Module, name: str, precision: str, master: str = "fp32"
 ) -> CompactReference:
@@ -80,7 +77,7 @@ def _swap(model: torch.nn.Module, name: str, **settings: Any) -> SwapOptimizer:
 
 
 def _swap_step(model: torch.nn.Module, swap: SwapOptimizer, x: torch.Tensor) -> None:
-    _backward(model, x)
+    backward(model, x)
     swap.step()
 
 
@@ -374,7 +371,7 @@ def test_fp32_state_dict_loads_into_8bit_rounded_once() -> None:
     plain, swapped = _pair(torch.float32)
     fp32 = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     for x in inputs(2, torch.float32):
-        _backward(plain, x)
+        backward(plain, x)
         fp32.step()
     saved = fp32.state_dict()
     with _swap(swapped, "adamw", state_precision="8bit") as swap:
