@@ -196,16 +196,18 @@ def final_commit(
 def check_commit(
     backend: StateBackend, config: SwapConfig, slots: list[Slot], group_count: int,
     meta: dict[str, Any],
-) -> list[int]:  # fmt: skip
+) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
     """Check that the commit ``meta`` describes can be resumed here (format, world, parameters,
-    param groups), giving each slot its key in the commit; for each of the ``group_count``
-    param groups, the index of the committed group to restore it from. Raises
-    ``ConfigError`` before anything but the slots' keys changes."""
+    param groups), giving each slot its key in the commit. Returns, for each of the
+    ``group_count`` param groups, the index of the committed group to restore it from, and the
+    commit's scalars (read once, for :func:`restore_commit`). Raises ``ConfigError`` before
+    anything but the slots' keys changes."""
     check_format(config, backend.path, meta)
     check_world(meta, backend.path)
     match_keys(slots, meta, backend.path)
-    saved_count = len(backend.load_small()["groups"])
-    return match_groups(slots, group_count, meta, saved_count, backend.path)
+    small = backend.load_small()
+    order = match_groups(slots, group_count, meta, len(small["groups"]), backend.path)
+    return order, small
 
 
 def restore_commit(
@@ -213,11 +215,13 @@ def restore_commit(
     layout: Layout,
     step_state: StepState,
     groups: list[dict[str, Any]],
+    *,
     saved_groups: list[int],
+    small: dict[str, Any],
 ) -> None:
-    """Load the last commit (checked by :func:`check_commit`, ``layout`` in its chunking):
-    params (from masters or copies), scalars, hyper-parameters, step count."""
-    small = backend.load_small()
+    """Load the last commit (checked by :func:`check_commit`, which read its scalars ``small``;
+    ``layout`` in its chunking): params (from masters or copies), scalars, hyper-parameters,
+    step count."""
     index_of: dict[str | int, int] = {
         **{s.prefix: s.index for s in layout.slots},
         **{s.index: s.index for s in layout.slots},

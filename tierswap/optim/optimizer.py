@@ -313,15 +313,16 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _restore(self, meta: dict[str, Any]) -> None:
         """Load the commit ``meta`` describes; slices follow its chunking."""
         layout = self._layout
-        saved_groups = _state_dict.check_commit(
+        saved_groups, small = _state_dict.check_commit(
             self._backend, self._config, layout.slots, len(self.param_groups), meta
         )  # checked before anything changes: a refused resume leaves optimizer and folder alone
         chunk = meta.get("chunk_bytes")
         if chunk and chunk != layout.chunk_bytes:
             self._layout = self._plan(layout.slots, layout.host_budget, chunk)
         _state_dict.restore_commit(
-            self._backend, self._layout, self._state, self.param_groups, saved_groups
-        )
+            self._backend, self._layout, self._state, self.param_groups,
+            saved_groups=saved_groups, small=small,
+        )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
