@@ -116,6 +116,17 @@ def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region
     return tuple(reads)
 
 
+#: Elements per block when a cut parameter steps on the CPU with a for-loop kernel (torch's
+#: default there). Those kernels make a temporary of the tensor's size per operation and pass
+#: over memory once per operation; on blocks of 512 KiB (fp32) the operands and temporaries
+#: stay in the core's cache and below glibc's mmap threshold (no page faults), so AdamW steps
+#: about 2.2x faster than on a whole 64 MiB slice; smaller blocks lose it again to Python's
+#: per-tensor overhead (``docs/benchmarks.md``). A multiple of 64, as slice boundaries are:
+#: torch's vectorised loops treat the last few elements of a tensor apart (the fused kernels
+#: with other rounding), so a block must end only where a slice may.
+STEP_BLOCK = 1 << 17
+
+
 def step_slice(
     plan: StepPlan,
     piece: Slice,
@@ -136,11 +147,18 @@ def step_slice(
         id(plan.inners[seg.slot.group]): plan.inners[seg.slot.group] for seg in segments
     }.values():
         mine = [i for i, seg in enumerate(segments) if plan.inners[seg.slot.group] is inner]
+        pieces = {
+            i: _blocks(
+                segments[i], plan.groups[segments[i].slot.group], targets[i], state[targets[i]]
+            )
+            for i in mine
+        }
+        stepped = {piece: st for i in mine for piece, st in pieces[i].items()}
         _step_inner(
-            inner,
-            _groups_for(plan.groups, [segments[i] for i in mine], [targets[i] for i in mine]),
-            {targets[i]: state[targets[i]] for i in mine},
+            inner, _groups_for(plan.groups, [(segments[i], list(pieces[i])) for i in mine]), stepped
         )
+        for i in mine:
+            state[targets[i]] = _joined(state[targets[i]], pieces[i], stepped)
     writes: dict[Region, torch.Tensor] = {}
     for seg, target in zip(segments, targets, strict=True):
         writes.update(_collect(plan, seg, target, new_state=state[target], tensors=tensors))
@@ -253,13 +271,78 @@ def _state_of(
 
 
 def _groups_for(
-    groups: list[dict[str, Any]], segments: list[Segment], targets: list[torch.Tensor]
+    groups: list[dict[str, Any]], stepped: list[tuple[Segment, list[torch.Tensor]]]
 ) -> list[dict[str, Any]]:
     """Shallow copies of the segments' param groups holding the tensors to step."""
     by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for seg, target in zip(segments, targets, strict=True):
-        by_group[seg.slot.group].append(target)
+    for seg, tensors in stepped:
+        by_group[seg.slot.group] += tensors
     return [{**groups[g], "params": by_group[g]} for g in sorted(by_group)]
+
+
+def _blocks(
+    seg: Segment, group: dict[str, Any], target: torch.Tensor, state: dict[str, Any]
+) -> dict[torch.Tensor, dict[str, Any]]:
+    """``target`` with its gradient and ``state``, cut into blocks of :data:`STEP_BLOCK`
+    elements where that is exact and pays: a cut parameter (per-element math, and blocks
+    start where slices may) with existing state, stepped on the CPU by a for-loop kernel
+    (foreach and fused ones make no per-operation temporaries; blocks only slow them).
+    Else ``{target: state}``."""
+    n = target.numel()
+    per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+    if (
+        seg.slot.whole_state is not None
+        or group.get("fused")
+        or group.get("foreach")
+        or target.device.type != "cpu"
+        or n <= STEP_BLOCK
+        or not per_element  # first step: torch creates the state, one tensor per parameter
+        or any(v.shape != target.shape for v in per_element.values())
+    ):
+        return {target: state}
+    scalars = {k: v for k, v in state.items() if k not in per_element}
+    grad = target.grad
+    assert grad is not None
+    pieces: dict[torch.Tensor, dict[str, Any]] = {}
+    for lo in range(0, n, STEP_BLOCK):
+        piece = target[lo : lo + STEP_BLOCK]
+        piece.grad = grad[lo : lo + STEP_BLOCK]
+        views = {k: v[lo : lo + STEP_BLOCK] for k, v in per_element.items()}
+        pieces[piece] = {**clone_small(scalars), **views}
+    return pieces
+
+
+def _joined(
+    state: dict[str, Any],
+    pieces: dict[torch.Tensor, dict[str, Any]],
+    stepped: dict[torch.Tensor, dict[str, Any]],
+) -> dict[str, Any]:
+    """A segment's state after its blocks (:func:`_blocks`) stepped: the whole per-element
+    tensors, which torch updated in place through the blocks' views (joined anew where it
+    replaced them), and the scalar state of the first block (every block's is the same)."""
+    if len(pieces) == 1:
+        return stepped[next(iter(pieces))]
+    joined = dict(state)
+    for name, value in stepped[next(iter(pieces))].items():
+        if not (torch.is_tensor(value) and value.dim() > 0):
+            joined[name] = value
+            continue
+        values = [stepped[piece][name] for piece in pieces]
+        if not _views_of(values, state.get(name)):
+            joined[name] = torch.cat(values)
+    return joined
+
+
+def _views_of(blocks: list[torch.Tensor], whole: Any) -> bool:
+    """Whether ``blocks`` are still the consecutive views of ``whole`` that were stepped."""
+    if not torch.is_tensor(whole):
+        return False
+    offset = whole.data_ptr()
+    for block in blocks:
+        if block.data_ptr() != offset or block.dtype != whole.dtype:
+            return False
+        offset += block.numel() * block.element_size()
+    return offset == whole.data_ptr() + whole.numel() * whole.element_size()
 
 
 def _collect(
