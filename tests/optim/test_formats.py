@@ -196,7 +196,7 @@ def test_8bit_codes_count_the_thresholds_below_for_any_bit_pattern(signed: bool)
     the scaled value, which the torchao test above ties to torchao's rounding): random bit
     patterns of both signs in [-1, 1] (subnormals and -0.0 included, negative ones under the
     unsigned map too) and every upper 16-bit half with its extreme lower halves."""
-    from tierswap.optim.formats import _thresholds
+    from tierswap.optim.formats._quant8 import _thresholds
 
     gen = _generator(7)
     random = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 18,), generator=gen, dtype=torch.int32)
