@@ -1,8 +1,8 @@
 """Compact state with every optimizer the library accepts (issue 17): each ``state_precision``
 with each per-element optimizer, fp32 and bf16 parameters, bitwise against the reference loop
-(:mod:`tests.optim.compact_reference`); optimizers whose state is not all moments (ASGD, Rprop)
-and optimizers stepped whole (Muon, Adafactor) keep their state fp32 and exact; resume and
-snapshots carry each format over.
+(:mod:`tests.optim.compact_reference`); Muon, stepped whole, stores its momentum compact too;
+optimizers whose state is not all moments (ASGD, Rprop, Adafactor's factored statistics) keep
+their state fp32 and exact; resume and snapshots carry each format over.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ NOT_MOMENTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "asgd": (torch.optim.ASGD, {"lr": 1e-2}),
     "rprop": (torch.optim.Rprop, {"lr": 1e-2}),
 }
-#: Optimizers stepped whole (their math spans a matrix): their state stays fp32.
+#: Optimizers stepped whole (their math spans a matrix): Muon's momentum, a moment of the
+#: parameter's size, is stored compact; Adafactor's factored statistics stay fp32.
 WHOLE: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "muon": (torch.optim.Muon, {"lr": 1e-2}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
 }
+WHOLE_BUDGET = "2MiB"  # a whole matrix per slice
 BUDGETS = {torch.float32: "256KiB", torch.bfloat16: "320KiB"}  # everything streams
 
 
@@ -160,16 +162,16 @@ def test_every_per_element_optimizer_stores_its_moments_compact(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
-@pytest.mark.parametrize("name", list(NOT_MOMENTS) + list(WHOLE))
-def test_state_that_is_not_moments_or_is_stepped_whole_stays_fp32_and_exact(
+@pytest.mark.parametrize("name", [*NOT_MOMENTS, "adafactor"])
+def test_state_that_is_not_moments_stays_fp32_and_exact(
     name: str, precision: str, dtype: torch.dtype
 ) -> None:
-    """ASGD's parameter average and Rprop's step sizes are not moments; Muon and Adafactor
-    step whole matrices: under any ``state_precision`` their state stays fp32, bitwise
-    torch's (the bf16 parameters' masters still take ``master="remainder"``)."""
+    """ASGD's parameter average, Rprop's step sizes and Adafactor's factored statistics are
+    not moments: under any ``state_precision`` their state stays fp32, bitwise torch's (the
+    bf16 parameters' masters still take ``master="remainder"``)."""
     plain, swapped = _models(dtype)
     case = {**NOT_MOMENTS, **WHOLE}[name]
-    budget = {"host_budget": "2MiB"} if name in WHOLE else {}  # a whole matrix per slice
+    budget = {"host_budget": WHOLE_BUDGET} if name in WHOLE else {}
     with _run(
         plain, swapped, case, precision=precision, reference_precision="fp32",
         xs=inputs(3, dtype), **budget,
@@ -182,7 +184,28 @@ def test_state_that_is_not_moments_or_is_stepped_whole_stays_fp32_and_exact(
         assert all(v == torch.float32 for v in state.values()), state
 
 
-def test_a_muon_group_beside_adamw_keeps_its_state_exact_while_adamw_compacts() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_muon_stores_its_momentum_compact_stepped_whole(precision: str, dtype: torch.dtype) -> None:
+    """Muon steps each matrix whole; its momentum is a moment of the matrix's size, stored in
+    the format asked for (8-bit: the matrix of ``MIN_8BIT_NUMEL`` elements or more), bitwise
+    the reference loop that rounds it after every step."""
+    plain, swapped = _models(dtype)
+    with _run(
+        plain, swapped, WHOLE["muon"], precision=precision, reference_precision=precision,
+        xs=inputs(3, dtype), host_budget=WHOLE_BUDGET,
+    ) as swap:  # fmt: skip
+        _assert_state_equal(swap.reference, swap)  # type: ignore[attr-defined]
+        stored = _stored_dtypes(swap)
+    if precision == "bf16":
+        assert stored["p0/momentum_buffer"] == torch.bfloat16
+        assert stored["p1/momentum_buffer"] == torch.bfloat16
+    else:
+        assert stored["p0/momentum_buffer.codes"] == torch.uint8
+        assert stored["p1/momentum_buffer"] == torch.float32  # 2048 elements: under the floor
+
+
+def test_a_muon_group_beside_adamw_compacts_both() -> None:
     torch.manual_seed(0)
     model = Net()
     groups = [
@@ -190,35 +213,36 @@ def test_a_muon_group_beside_adamw_keeps_its_state_exact_while_adamw_compacts() 
         {"params": [model.head.weight]},
     ]
     swap = SwapOptimizer(
-        groups, torch.optim.AdamW, lr=1e-2, state_precision="bf16", host_budget="2MiB"
+        groups, torch.optim.AdamW, lr=1e-2, state_precision="bf16", host_budget=WHOLE_BUDGET
     )
     with swap:
         for x in inputs(2, torch.float32):
             backward(model, x)
             swap.step()
         stored = _stored_dtypes(swap)
-    assert stored["p0/momentum_buffer"] == torch.float32
+    assert stored["p0/momentum_buffer"] == torch.bfloat16
     assert stored["p1/exp_avg"] == torch.bfloat16
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
-@pytest.mark.parametrize("name", ["rmsprop-centered", "adagrad", "nadam"])
+@pytest.mark.parametrize("name", ["rmsprop-centered", "adagrad", "nadam", "muon"])
 def test_resume_and_snapshot_carry_each_format_over(
     name: str, precision: str, tmp_path: Any
 ) -> None:
     """Two steps, close; resume for one step, snapshot; a run from the snapshot takes the
     last step: bitwise the four steps of the reference loop."""
     plain, swapped = _models(torch.bfloat16)
-    case = MOMENTS[name]
+    case = {**MOMENTS, **WHOLE}[name]
     xs = inputs(4, torch.bfloat16)
     folder = {"swap_dir": tmp_path / "run"}
+    budget = {"host_budget": WHOLE_BUDGET} if name in WHOLE else {}
     with _run(
         plain, swapped, case, precision=precision, reference_precision=precision, xs=xs[:2],
-        **folder,
+        **folder, **budget,
     ) as swap:  # fmt: skip
         reference = swap.reference  # type: ignore[attr-defined]
     optimizer_class, kwargs = case
-    settings = _settings(torch.bfloat16, precision)
+    settings = _settings(torch.bfloat16, precision, **budget)
     with SwapOptimizer(
         swapped.parameters(), optimizer_class, resume=True, **folder, **settings, **kwargs
     ) as swap:

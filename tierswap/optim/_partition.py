@@ -78,9 +78,10 @@ class Slot:
     ``whole_state`` is set for a parameter that must step whole (its optimizer's math spans the
     parameter, as Muon's and Adafactor's do): its state tensors' shapes and element sizes.
 
-    ``precision`` is the ``state_precision`` asked for: it applies to the per-element fp32
-    state of a parameter that slices may cut (:meth:`moment_format`); a parameter stepped
-    whole, or with state in another dtype, keeps its state as torch makes it. ``remainder``
+    ``precision`` is the ``state_precision`` asked for: it applies to fp32 moments of the
+    parameter's size (:meth:`stored_precision`, :meth:`moment_format`), of a parameter that
+    slices may cut or of one stepped whole (Muon's momentum); other state (factored, not a
+    moment, or in another dtype) is kept as torch makes it. ``remainder``
     is set for a bf16 parameter under ``master="remainder"``: its master is stored as the int16
     remainder under :attr:`master_key` and the parameter itself under :attr:`param_key`.
     """
@@ -130,26 +131,35 @@ class Slot:
 
     @property
     def stored_precision(self) -> StatePrecision:
-        """The format of the slot's per-element state (fp32 where compact state does not
-        apply: a parameter stepped whole, state not in fp32 or not all moments (ASGD's ``ax``,
-        Rprop's ``prev``: :func:`~tierswap.optim.formats.is_moment`), 8-bit under
-        ``MIN_8BIT_NUMEL``)."""
+        """The format of the slot's state (fp32 where compact state does not apply: state not
+        in fp32, or not all moments (ASGD's ``ax``, Rprop's ``prev``, Adafactor's factored
+        ``row_var``: :func:`~tierswap.optim.formats.is_moment`), or, for a parameter stepped
+        whole, not all of the parameter's size; 8-bit under ``MIN_8BIT_NUMEL``)."""
         numel = self.local.numel()
-        if self.whole or any(size != 4 for size in self.state_itemsizes):
-            return "fp32"
-        if not all(is_moment(name) for name in self.state_names):
-            return "fp32"
-        if master_dtype(self.param) != torch.float32:
+        if self.precision == "fp32" or master_dtype(self.param) != torch.float32:
             return "fp32"
         if self.precision == "8bit" and numel < MIN_8BIT_NUMEL:
             return "fp32"
-        return self.precision
+        if self.whole_state is not None:
+            shapes = self.whole_state.items()
+            sizes = {name: (math.prod(shape), size) for name, (shape, size) in shapes}
+        else:
+            pairs = zip(self.state_names, self.state_itemsizes, strict=True)
+            sizes = {name: (numel, size) for name, size in pairs}
+        if not sizes or any(n != numel or size != 4 for n, size in sizes.values()):
+            return "fp32"
+        return self.precision if all(is_moment(name) for name in sizes) else "fp32"
 
     def moment_format(self, name: str) -> MomentFormat | None:
         """How state ``name`` is stored: a compact format, or ``None`` (as torch makes it)."""
         if self.stored_precision == "fp32":
             return None
         return MomentFormat.for_state(name, self.local.numel(), self.stored_precision)
+
+    def _format(self, name: str) -> MomentFormat:
+        fmt = self.moment_format(name)
+        assert fmt is not None  # the caller checked stored_precision
+        return fmt
 
     def chunk_overrides(self, name: str, chunk_bytes: int) -> dict[str, int]:
         """The chunk size of each array of state ``name`` that does not take the store's
@@ -183,15 +193,20 @@ class Slot:
             per_state = [2 * numel, 4 * numel]
         else:
             per_state = [numel, 4 * num_blocks(numel), 4 * numel]
-        return per_state * len(self.state_itemsizes)
+        return per_state * self.state_count
 
     def scratch_buffers(self, numel: int) -> list[int]:
         """Bytes of the work buffers among :meth:`state_buffers` and :meth:`master_buffers`
         (fp32 scratch a compact state decodes into, a master's joined fp32 copy, the
         gradient's cast, the split parameter): what the step writes that is not read or
         written back, so it can come from memory reused across slices."""
-        scratch = [] if self.stored_precision == "fp32" else [4 * numel] * len(self.state_itemsizes)
+        scratch = [] if self.stored_precision == "fp32" else [4 * numel] * self.state_count
         return scratch + self.master_buffers(numel)[1:]
+
+    @property
+    def state_count(self) -> int:
+        """How many state tensors the slot keeps (per element, or of a whole parameter)."""
+        return len(self.whole_state if self.whole_state is not None else self.state_itemsizes)
 
     def master_buffers(self, numel: int) -> list[int]:
         """Bytes of each buffer a segment of ``numel`` elements holds for its master: the fp32
@@ -210,9 +225,14 @@ class Slot:
     @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
+        numel = self.local.numel()
+        if self.whole_state is not None and self.stored_precision != "fp32":  # as stored
+            arrays = [
+                a for name in self.whole_state for a in self._format(name).arrays(name, numel)
+            ]
+            return sum(_footprint(a.numel * a.dtype.itemsize) for a in arrays)
         if self.whole_state is not None:
             return sum(_footprint(math.prod(s) * size) for s, size in self.whole_state.values())
-        numel = self.local.numel()
         return sum(_footprint(numel * size) for size in self.state_itemsizes)
 
     @property
@@ -269,7 +289,9 @@ class Segment:
             return 0
         master = sum(_footprint(n) for n in self.slot.master_buffers(numel))
         if self.slot.whole:
-            return self.slot.state_bytes + master + _footprint(numel * 4) * WHOLE_TEMPORARIES
+            decoded = 0 if self.slot.stored_precision == "fp32" else self.slot.state_count
+            temporaries = WHOLE_TEMPORARIES + decoded  # compact state decodes into fp32 copies
+            return self.slot.state_bytes + master + _footprint(numel * 4) * temporaries
         return sum(_footprint(n) for n in self.slot.state_buffers(numel)) + master
 
     @property

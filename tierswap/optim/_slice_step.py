@@ -266,7 +266,8 @@ def _state_of(
             state[name] = _shaped(slot, tensors[state_region(seg, name)], name)
             continue
         stored = [tensors[region] for region in state_regions(seg, name)]
-        state[name] = fmt.decode(stored, scratch.take(seg.numel, stored[0].device))
+        decoded = fmt.decode(stored, scratch.take(seg.numel, stored[0].device))
+        state[name] = _shaped(slot, decoded, name)
     return state
 
 
