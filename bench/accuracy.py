@@ -18,7 +18,11 @@ weights and the same batches:
   parameters are their round-to-nearest-even cast);
 - (e) ``remainder``: the bf16 model again, with only the bf16 parameter and a 16-bit remainder
   kept between steps (the master is rebuilt exactly; the parameter is its round-half-up cast);
-- ``bf16-sr`` (not run by default): bf16 moments with stochastic rounding.
+- ``bf16-sr`` (not run by default): bf16 moments with stochastic rounding;
+- (f) ``muon``: torch's Muon on the hidden matrices (attention and MLP weights; lr
+  ``--muon-lr``, weight decay 0.1), AdamW as above on the embeddings, biases and norms, fp32
+  state; (g) ``muon-bf16`` and (h) ``muon-8bit``: the same with every moment (Muon's momentum
+  and AdamW's moments) stored in bf16 or 8 bits, as ``SwapOptimizer`` stores them.
 
 (b), (c) and (e) have the numerics the offloaded optimizer will have: after each torch AdamW
 step on fp32 state, the moments are encoded with ``tierswap.optim.formats`` and decoded back
@@ -62,6 +66,7 @@ class Mode:
     master: formats.MasterFormat | None = None  # bf16 models only
     stochastic: bool = False
     fp32_embeddings: bool = False  # (c'): embedding tables keep fp32 moments
+    optimizer: str = "adamw"  # "muon": Muon on the hidden matrices, AdamW on the rest
 
 
 MODES = {
@@ -74,9 +79,13 @@ MODES = {
         Mode("master", "(d) bf16 model, fp32 masters", torch.bfloat16, master="fp32"),
         Mode("remainder", "(e) bf16 model, remainders", torch.bfloat16, master="remainder"),
         Mode("bf16-sr", "bf16 moments, stochastic rounding", precision="bf16", stochastic=True),
+        Mode("muon", "(f) Muon + AdamW, fp32 state", optimizer="muon"),
+        Mode("muon-bf16", "(g) Muon + AdamW, bf16 moments", precision="bf16", optimizer="muon"),
+        Mode("muon-8bit", "(h) Muon + AdamW, 8-bit moments", precision="8bit", optimizer="muon"),
     )
 }
 DEFAULT_MODES = ["fp32", "bf16", "8bit", "8bit-emb32", "master", "remainder"]
+MUON_MODES = ["muon", "muon-bf16", "muon-8bit"]
 
 
 @dataclasses.dataclass
@@ -108,9 +117,9 @@ class CompactMoments:
             for param in group["params"]:
                 if id(param) in self.keep:
                     continue
-                state = self.opt.state[param]
-                for name in MOMENTS:
-                    self._round_trip(id(param), name, state[name].view(-1))
+                for name, value in self.opt.state[param].items():
+                    if formats.is_moment(name) and torch.is_tensor(value) and value.dim() > 0:
+                        self._round_trip(id(param), name, value.view(-1))
 
     def _round_trip(self, key: int, name: str, moment: torch.Tensor) -> None:
         fmt = formats.MomentFormat.for_state(
@@ -221,15 +230,13 @@ def train(
     if mode.master is not None:
         fp32_init = [init[name] for name, _ in model.named_parameters()]
         masters = Masters(params, fp32_init, mode.master)
-    opt = torch.optim.AdamW(
-        masters.masters if masters else params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1
-    )
-    lr = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.steps))
-    compact = None
+    opts = optimizers(mode, model, masters.masters if masters else params, args)
+    lrs = [torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.steps)) for opt in opts]
+    compacts = []
     if mode.precision != "fp32":
         embeddings = (m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding))
         keep = {id(p) for p in embeddings} if mode.fp32_embeddings else set()
-        compact = CompactMoments(opt, mode, args.seed, keep)
+        compacts = [CompactMoments(opt, mode, args.seed, keep) for opt in opts]
     losses, start = [], time.perf_counter()
     for step, tokens in enumerate(data):
         loss = model(input_ids=tokens, labels=tokens).loss
@@ -237,14 +244,17 @@ def train(
         if masters:
             masters.before_step()
         torch.nn.utils.clip_grad_norm_(masters.masters if masters else params, args.clip)
-        opt.step()
-        if compact:
+        for opt in opts:
+            opt.step()
+        for compact in compacts:
             compact.round_trip()
         if masters:
             masters.after_step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        lr.step()
+        for lr in lrs:
+            lr.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == len(data) - 1:
             print(f"  {mode.name:>9} step {step:4d} loss {losses[-1]:.4f}", flush=True)
@@ -254,20 +264,46 @@ def train(
     return result
 
 
+def optimizers(
+    mode: Mode, model: torch.nn.Module, targets: list[torch.Tensor], args: argparse.Namespace
+) -> list[torch.optim.Optimizer]:
+    """AdamW over ``targets`` (the parameters, or their masters); for a Muon mode, Muon over
+    the hidden matrices (2-D weights other than the embedding tables) and AdamW over the rest."""
+    adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    if mode.optimizer != "muon":
+        return [torch.optim.AdamW(targets, **adamw)]
+    tables = {
+        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+    }
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    hidden = [p.dim() == 2 and name not in tables for name, p in named]
+    matrices = [t for t, h in zip(targets, hidden, strict=True) if h]
+    rest = [t for t, h in zip(targets, hidden, strict=True) if not h]
+    return [
+        torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.1),
+        torch.optim.AdamW(rest, **adamw),
+    ]
+
+
 # --- reports ----------------------------------------------------------------------------------
 
 
 def loss_table(results: dict[str, Result]) -> str:
     ref = results.get("fp32")
     bf16_ref = results.get("master")
+    muon_ref = results.get("muon")
     rows = [
-        "| mode | final loss (mean of last 20) | vs (a) | vs (d) | wall s |",
-        "|---|---|---|---|---|",
+        "| mode | final loss (mean of last 20) | vs (a) | vs (d) | vs (f) | wall s |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results.values():
         vs_a = _pct(r.final, ref.final) if ref and r.mode.name != "fp32" else "-"
         vs_d = _pct(r.final, bf16_ref.final) if bf16_ref and r.mode.name == "remainder" else "-"
-        rows.append(f"| {r.mode.label} | {r.final:.4f} | {vs_a} | {vs_d} | {r.seconds:.0f} |")
+        muon = r.mode.optimizer == "muon" and r.mode.name != "muon"
+        vs_f = _pct(r.final, muon_ref.final) if muon_ref and muon else "-"
+        rows.append(
+            f"| {r.mode.label} | {r.final:.4f} | {vs_a} | {vs_d} | {vs_f} | {r.seconds:.0f} |"
+        )
     return "\n".join(rows)
 
 
@@ -344,7 +380,7 @@ def plot(results: dict[str, Result], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    ref = results.get("fp32")
+    ref = results.get("fp32") or results.get("muon")  # the fp32 run the others differ from
     colors = dict(zip(MODES, plt.get_cmap("tab10").colors, strict=False))
     for r in results.values():
         smooth = _moving_average(r.losses, 10)
@@ -357,7 +393,7 @@ def plot(results: dict[str, Result], path: Path, title: str) -> None:
     top.set_title(title, fontsize=9)
     top.legend(fontsize=8)
     bottom.axhline(0.0, color="black", linewidth=0.5)
-    bottom.set_ylabel("minus (a) fp32")
+    bottom.set_ylabel(f"minus {ref.mode.label.split(' ')[0]}" if ref else "")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
     fig.tight_layout()
@@ -380,9 +416,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon modes' hidden matrices")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
+        help=f"default: {' '.join(DEFAULT_MODES)}; also {' '.join(MUON_MODES)}",
+    )  # fmt: skip
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "bench_accuracy.png")
     args = parser.parse_args(argv)
 
@@ -399,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.batch}x{args.seq} tokens per step, {args.steps} steps, AdamW lr {args.lr:g}, "
         f"clip {args.clip:g}"
     )
+    if any(MODES[name].optimizer == "muon" for name in args.modes):
+        sizes += f", Muon lr {args.muon_lr:g} on the hidden matrices"
     print(sizes, f"| torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     results = {name: train(MODES[name], args, init, data) for name in args.modes}
     print()
