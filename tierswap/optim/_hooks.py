@@ -10,17 +10,20 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tierswap.optim.optimizer import SwapOptimizer
-
-__all__ = ["register", "remove"]
+__all__ = ["GradListener", "register", "remove"]
 
 
-def register(optimizer: SwapOptimizer, params: Iterable[torch.Tensor]) -> list[Any]:
+class GradListener(Protocol):
+    """What the hooks call: :meth:`SwapOptimizer.grad_final`."""
+
+    def grad_final(self, param: torch.Tensor) -> None: ...
+
+
+def register(optimizer: GradListener, params: Iterable[torch.Tensor]) -> list[Any]:
     """Hook every parameter of ``params`` that requires grad; returns the handles."""
     ref = weakref.ref(optimizer)
     return [
@@ -35,7 +38,7 @@ def remove(handles: list[Any]) -> None:
         handle.remove()
 
 
-def _on_grad(ref: weakref.ref[SwapOptimizer], param: torch.Tensor) -> None:
+def _on_grad(ref: weakref.ref[GradListener], param: torch.Tensor) -> None:
     optimizer = ref()
     if optimizer is not None:
         optimizer.grad_final(param)

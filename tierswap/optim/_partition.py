@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,11 +27,9 @@ from tierswap.optim.formats import (
     num_blocks,
 )
 
-if TYPE_CHECKING:
-    from tierswap.optim._probe import StateShapes
-
 __all__ = [
     "WHOLE_TEMPORARIES",
+    "StateShapes",
     "Segment",
     "Slice",
     "Slot",
@@ -42,6 +39,9 @@ __all__ = [
     "master_dtype",
     "plan_slices",
 ]
+
+#: State tensors of a parameter stepped whole: name -> (shape, element size).
+StateShapes = dict[str, tuple[tuple[int, ...], int]]
 
 #: Transient bytes of stepping a whole parameter, in multiples of its fp32 size: Muon's
 #: Newton-Schulz holds the nesterov update (fp32), bf16 copies of the matrix and square

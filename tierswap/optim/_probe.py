@@ -28,10 +28,9 @@ from typing import Any
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._partition import local_tensor, master_dtype
+from tierswap.optim._partition import StateShapes, local_tensor, master_dtype
 
 __all__ = [
-    "StateShapes",
     "check_class",
     "check_elementwise",
     "check_per_parameter",
@@ -44,8 +43,6 @@ __all__ = [
     "whole_state",
 ]
 
-#: State tensors of a whole parameter: name -> (shape, element size).
-StateShapes = dict[str, tuple[tuple[int, ...], int]]
 
 #: Probe sizes per dimension: distinct primes, so each state dimension can be traced back to
 #: the parameter dimension it follows.
