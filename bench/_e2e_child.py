@@ -2,11 +2,11 @@
 
     python bench/_e2e_child.py --config ram|tierswap|deepspeed [--options JSON] --dir DIR
 
-This file imports only torch at the top, so the DeepSpeed configurations can run under another
-interpreter (a venv with torch + deepspeed and without tierswap); ``tierswap`` and
-``deepspeed`` are imported only by the configuration that needs them. The last line printed is
-one JSON object: the per-iteration times, peak RSS, the process's disk bytes per iteration
-(``/proc/self/io``) and, for tierswap, its tier statistics.
+This file imports only torch (and ``_peak``, standard library only) at the top, so the DeepSpeed
+configurations can run under another interpreter (a venv with torch + deepspeed and without
+tierswap); ``tierswap`` and ``deepspeed`` are imported only by the configuration that needs
+them. The last line printed is one JSON object: the per-iteration times, peak RSS, the
+process's disk bytes per iteration (``/proc/self/io``) and, for tierswap, its tier statistics.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _peak import peak_rss
 
 BATCH = 8
 LR = 1e-4
@@ -238,7 +238,7 @@ def main() -> None:
     args = p.parse_args()
     faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where
     result = RUNNERS[args.config](args)
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = peak_rss()
     print(json.dumps(result), flush=True)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _peak import peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,7 +127,7 @@ def run_child(args: argparse.Namespace) -> dict:
     runtime = _rss_now() if os.path.exists("/proc/self/statm") else 0
     result = {"mode": args.mode, **(_run_ram(args) if args.mode == "ram" else _run_swap(args))}
     result["runtime_rss"] = runtime
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss"] = peak_rss()
     print(json.dumps(result), flush=True)
     return result
 

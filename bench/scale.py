@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _peak import peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,7 +93,7 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
         )
     numel = sum(sizes)
     state = numel * (12 if dtype == torch.bfloat16 else 8)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     return {"case": args.case, "params": numel, "tensors": len(sizes), "dtype": str(dtype),
             "host_budget": budget, "state_bytes": state, "params_bytes": numel * 4,
             "slices": slices, "resident_bytes": resident, "steps": steps,
