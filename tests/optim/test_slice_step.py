@@ -1,5 +1,6 @@
 """Cut parameters step on the CPU in blocks (``_slice_step.STEP_BLOCK``): bitwise the same as
-the plain optimizer on whole parameters, for every per-element optimizer and state format."""
+the plain optimizer on whole parameters, for every per-element optimizer, state format and
+master format."""
 
 from __future__ import annotations
 
@@ -89,24 +90,40 @@ def test_state_that_torch_replaces_is_joined(blocks: list[int], tmp_path: Any) -
     assert BLOCK in blocks
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
-def test_blocks_with_compact_moments_match_whole_slices(
-    precision: str, blocks: list[int], tmp_path: Any
+@pytest.mark.parametrize(
+    ("precision", "dtype", "master"),
+    [
+        ("bf16", torch.float32, "fp32"),
+        ("8bit", torch.float32, "fp32"),
+        ("fp32", torch.bfloat16, "fp32"),
+        ("fp32", torch.bfloat16, "remainder"),
+        ("8bit", torch.bfloat16, "remainder"),
+    ],
+)
+def test_blocks_match_whole_slices_with_compact_state_and_masters(
+    precision: str, dtype: torch.dtype, master: str, blocks: list[int], tmp_path: Any
 ) -> None:
-    """Compact moments decode into whole-slice scratch, then step in blocks: the same result as
-    without blocks (the block size does not change the numbers)."""
+    """Compact moments decode into whole-slice scratch and masters of bf16 parameters are
+    joined or read whole, then step in blocks: the same result as without blocks (the block
+    size does not change the numbers)."""
     results = []
     for block in (BLOCK, 1 << 30):
         _slice_step.STEP_BLOCK = block  # the fixture restores it
-        _, model = make_models()
+        _, model = make_models(dtype=dtype)
         opt = SwapOptimizer(
             groups(model), torch.optim.AdamW, swap_dir=tmp_path / f"run{block}", lr=1e-2,
-            host_budget=None, state_precision=precision,
+            host_budget=None, state_precision=precision, master=master,
         )  # fmt: skip
         with opt:
-            for x in batches(4):
+            for x in batches(4, dtype=dtype):
                 train_step(model, opt, x)
-        results.append([p.detach().clone() for p in model.parameters()])
+            results.append(
+                ([p.detach().clone() for p in model.parameters()], opt.state_dict()["state"])
+            )
     assert BLOCK in blocks
-    for a, b in zip(*results, strict=True):
+    (params_a, state_a), (params_b, state_b) = results
+    for a, b in zip(params_a, params_b, strict=True):
         assert torch.equal(a, b)
+    for index, values in state_a.items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_b[index][name]))
