@@ -9,7 +9,7 @@ operation, so on blocks that fit a core's cache they run faster, until Python's 
 overhead takes over. For each kernel (for-loop, foreach, fused) this times one ``step()`` over
 ``--numel`` fp32 parameters with existing state (as a streamed slice steps), given as one
 tensor and as blocks of each size, interleaved within each round; the best of ``--rounds``.
-glibc's mmap threshold is pinned at 1 MiB, as ``SwapOptimizer`` pins it. Prints a table.
+Runs under the step's mmap threshold (1 MiB, as ``SwapOptimizer.step`` does). Prints a table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierswap.optim._memory import fix_mmap_threshold  # noqa: E402
+from tierswap.optim._memory import step_allocations  # noqa: E402
 
 KERNELS = {"for-loop": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
@@ -56,7 +56,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--blocks", default="131072,65536,32768,1048576")
     args = p.parse_args()
-    fix_mmap_threshold()
+    with step_allocations():  # the threshold a step runs under
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     tensors = {
         "param": torch.randn(args.numel, generator=gen),

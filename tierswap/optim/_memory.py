@@ -1,25 +1,46 @@
-"""Give freed heap memory back to the operating system after the state is created.
+"""The C library's allocator around a step: transients go back to the OS, the rest reuses.
 
-The first step creates each slice's state with ``torch.zeros_like`` (torch's own lazy init),
-writes it to the store and frees it. glibc keeps such freed blocks in
-its heap (after the first large ``free`` it raises its mmap threshold), which would add up to a
-slice's worth of retained memory, often more through fragmentation, on top of the host
-budget. ``malloc_trim(0)`` returns whole free pages; it costs well under a millisecond.
+Two settings of glibc's mmap threshold (allocations at least that large get a mapping of their
+own, given back to the OS when freed; smaller ones come from the heap, whose freed memory is
+kept and reused):
+
+- **while a step runs**, :data:`STEP_MMAP_THRESHOLD` (1 MiB): the step's slice-sized transients
+  (torch's temporaries of foreach kernels, the first step's new state, the decoded copies of a
+  parameter stepped whole) leave at once when freed, so the step's memory stays within the host
+  budget. With glibc's default, which raises the threshold to the largest mapped block freed so
+  far (up to 32 MiB), they stayed in the heap: about 250 MiB above the budget for 40 parameters
+  of 1M elements, measured here.
+- **between steps** (the forward and backward passes), :data:`IDLE_MMAP_THRESHOLD` (32 MiB, the
+  ceiling glibc's own threshold reaches): activations and gradients come from the heap and are
+  reused every iteration instead of faulting in fresh pages. Keeping 1 MiB there cost GPT-2 124M
+  about 0.15 s of its 1.25 s forward and backward (``docs/benchmarks.md``).
+
+:func:`step_allocations` switches between them (nested and concurrent steps counted, so the
+worker of ``overlap="forward"`` and ``step()`` may overlap). ``malloc_trim(0)`` returns whole free
+pages after the first step, whose state is created and freed in slice-sized pieces; it costs well
+under a millisecond. Outside glibc (musl, macOS) all of this does nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
-__all__ = ["fix_mmap_threshold", "trim_heap"]
+__all__ = ["IDLE_MMAP_THRESHOLD", "STEP_MMAP_THRESHOLD", "step_allocations", "trim_heap"]
 
 #: glibc's ``mallopt`` parameter number of the mmap threshold.
 _M_MMAP_THRESHOLD = -3
-#: Allocations at least this large get their own mapping, returned to the OS when freed.
-MMAP_THRESHOLD = 1 << 20
+#: While a step runs, allocations at least this large get their own mapping.
+STEP_MMAP_THRESHOLD = 1 << 20
+#: Between steps: glibc's ceiling for its dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX``).
+IDLE_MMAP_THRESHOLD = 32 << 20
+
+_steps_lock = threading.Lock()
+_steps_running = 0
 
 
 @functools.cache
@@ -44,18 +65,28 @@ def _mallopt() -> Callable[[int, int], int] | None:
         return None
 
 
-def fix_mmap_threshold() -> None:
-    """Pin glibc's mmap threshold at :data:`MMAP_THRESHOLD` (process-wide, once).
+@contextlib.contextmanager
+def step_allocations() -> Iterator[None]:
+    """Run a step (or a part of one) under :data:`STEP_MMAP_THRESHOLD`; when the last step
+    running ends, the threshold goes to :data:`IDLE_MMAP_THRESHOLD`."""
+    global _steps_running
+    with _steps_lock:
+        _steps_running += 1
+        if _steps_running == 1:
+            _set_mmap_threshold(STEP_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        with _steps_lock:
+            _steps_running -= 1
+            if _steps_running == 0:
+                _set_mmap_threshold(IDLE_MMAP_THRESHOLD)
 
-    By default glibc raises the threshold to the size of the largest mapped block freed so far
-    (up to 32 MiB), after which a step's slice-sized transients (torch's own temporaries, the
-    first step's new state) come from the heap and stay resident when freed: measured here,
-    about 250 MiB above the budget for 40 parameters of 1M elements. A fixed threshold keeps
-    such blocks in their own mappings, so freeing one gives its memory back at once.
-    """
+
+def _set_mmap_threshold(nbytes: int) -> None:
     mallopt = _mallopt()
     if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        mallopt(_M_MMAP_THRESHOLD, nbytes)
 
 
 def trim_heap() -> None:

@@ -32,7 +32,7 @@ from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._deferred import DeferredSteps
 from tierswap.optim._layout import Layout, interleave, plan_layout
-from tierswap.optim._memory import fix_mmap_threshold, trim_heap
+from tierswap.optim._memory import step_allocations, trim_heap
 from tierswap.optim._names import check_unique, key_prefix
 from tierswap.optim._partition import Slice, Slot, local_tensor, master_dtype
 from tierswap.optim._probe import check_class, own_defaults, probe_group, whole_state
@@ -170,7 +170,6 @@ class SwapOptimizer(torch.optim.Optimizer):
     # -- construction ---------------------------------------------------------------------
     def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
         self._ready = False  # torch's constructor calls add_param_group before the rest exists
-        fix_mmap_threshold()  # slice-sized transients go back to the OS when freed
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
         # handed to offload()) moves into the swap space through load_state_dict below.
@@ -365,6 +364,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self._config.overlap == "forward":
             self._schedule_step()
             return loss
+        with step_allocations():  # the step's transients go back to the OS when freed
+            self._step_now()
+        return loss
+
+    def _step_now(self) -> None:
+        """Step every slice whose parameters have gradients, here and now; commit when due."""
         due = self._commit_due()
         live = self._live_slots()
         pieces = [
@@ -385,7 +390,6 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._final.clear()
         self._state.steps += 1
         self._end_step(plan, due)
-        return loss
 
     def _live_slots(self) -> set[int]:
         """The slots this step updates: those whose parameter has a gradient."""
@@ -419,11 +423,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._state.steps += 1
 
         def run() -> None:
-            try:
-                self._run_slices(plan, pieces)
-            finally:
-                self._backend.pipeline.release()
-            self._end_step(plan, due)
+            with step_allocations():
+                try:
+                    self._run_slices(plan, pieces)
+                finally:
+                    self._backend.pipeline.release()
+                self._end_step(plan, due)
 
         self._deferred.start(counts, run)
 
@@ -453,7 +458,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._final.add(slot.index)
         ready = [p for p in self._layout.slices_of[slot.index] if self._ready_in_backward(p)]
         if ready:
-            with torch.no_grad():
+            with torch.no_grad(), step_allocations():
                 self._step_slices(ready)
         for index in {seg.slot.index for piece in ready for seg in piece.segments}:
             if all(p.index in self._state.stepped for p in self._layout.slices_of[index]):
