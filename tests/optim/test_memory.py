@@ -1,4 +1,5 @@
-"""Peak RSS of a swapped step stays near params + grads + host budget (slow: a real-size run)."""
+"""Peak RSS of a swapped step stays near params + grads + host budget (real-size runs in child
+processes, some slow), and the allocator settings a step runs under."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import tierswap as ts
+from tierswap.optim import _memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,3 +139,33 @@ def test_memory_stays_bounded_on_a_slow_disk(tmp_path) -> None:
     assert above <= limit, (
         f"peak RSS {above >> 20} MiB above the runtime, limit {limit / 2**20:.0f}"
     )
+
+
+def test_steps_run_under_the_step_threshold_and_leave_the_idle_one(monkeypatch) -> None:
+    """The threshold is the step's from the first step that starts until the last one running
+    ends (the forward-overlap worker and step() may overlap), the idle one after; an error
+    inside a step restores it too."""
+    from tierswap.optim import _memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(_memory, "_set_mmap_threshold", calls.append)
+    with _memory.step_allocations():
+        with _memory.step_allocations():  # a part of a step, or a second step at once
+            pass
+        assert calls == [_memory.STEP_MMAP_THRESHOLD]
+    assert calls == [_memory.STEP_MMAP_THRESHOLD, _memory.IDLE_MMAP_THRESHOLD]
+    with pytest.raises(RuntimeError), _memory.step_allocations():
+        raise RuntimeError("a failed step")
+    assert calls[-1] == _memory.IDLE_MMAP_THRESHOLD
+    assert len(calls) == 4
+
+
+def test_an_optimizer_step_runs_under_the_step_threshold(monkeypatch, tmp_path) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(_memory, "_set_mmap_threshold", calls.append)
+    param = torch.nn.Parameter(torch.randn(64))
+    with ts.SwapOptimizer([param], swap_dir=tmp_path / "run") as opt:
+        assert calls == []  # construction leaves the allocator alone
+        param.grad = torch.randn(64)
+        opt.step()
+    assert calls == [_memory.STEP_MMAP_THRESHOLD, _memory.IDLE_MMAP_THRESHOLD]
