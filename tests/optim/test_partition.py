@@ -9,7 +9,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._partition import Slot, check_budget, master_dtype, plan_slices
-from tierswap.optim._probe import check_elementwise, probe_state_itemsizes
+from tierswap.optim._probe import check_elementwise, probe_state
 
 
 def _slot(index: int, numel: int, dtype: torch.dtype = torch.float32) -> Slot:
@@ -29,9 +29,9 @@ def _slot(index: int, numel: int, dtype: torch.dtype = torch.float32) -> Slot:
     ],
 )
 def test_probe_lists_per_element_state(optimizer_class, hyper, expected) -> None:
-    sizes = probe_state_itemsizes(optimizer_class, {"params": [], **hyper}, torch.float32)
+    sizes = probe_state(optimizer_class, {"params": [], **hyper}, torch.float32).values()
     assert sorted(sizes) == sorted(expected)
-    doubles = probe_state_itemsizes(optimizer_class, {"params": [], **hyper}, torch.float64)
+    doubles = probe_state(optimizer_class, {"params": [], **hyper}, torch.float64).values()
     assert sorted(doubles) == sorted(2 * s for s in expected)
 
 

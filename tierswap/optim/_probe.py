@@ -12,7 +12,7 @@ Two questions decide how a parameter may be streamed:
   whole group, LBFGS) cannot be swapped at all.
 
 The probes also size the state: per-element state for sliced parameters
-(:func:`probe_state_itemsizes`), and the state's shapes for whole ones
+(:func:`probe_state`), and the state's shapes for whole ones
 (:func:`probe_whole_state`), so budgets are checked before anything is written. The
 optimizer's construction calls them per param group through :func:`check_class`,
 :func:`own_defaults` (a group that names its own ``optimizer_class``), :func:`probe_group` and
@@ -38,7 +38,6 @@ __all__ = [
     "own_defaults",
     "probe_group",
     "probe_state",
-    "probe_state_itemsizes",
     "probe_whole_state",
     "whole_state",
 ]
@@ -120,14 +119,6 @@ def check_per_parameter(
             "from stepping each alone, e.g. a norm over the whole group); tierswap swaps "
             "optimizers whose math stays within each parameter (AdamW, SGD, Muon, Adafactor, ...)"
         )
-
-
-def probe_state_itemsizes(
-    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any], dtype: torch.dtype
-) -> tuple[int, ...]:
-    """Element sizes of the per-element state tensors this group keeps for a ``dtype`` param
-    (the values of :func:`probe_state`)."""
-    return tuple(probe_state(optimizer_class, group, dtype).values())
 
 
 def probe_state(
