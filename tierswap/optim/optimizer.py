@@ -105,9 +105,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         are stored, on disk and in every tier: ``"fp32"`` (default, exact), ``"bf16"`` or
         ``"8bit"`` (block-wise, as bitsandbytes and torchao; tensors under 4096 elements stay
         fp32). The step decodes a slice into fp32, runs torch's kernel, encodes back. Opt-in:
-        it changes results (``docs/optimizer.md``, "Compact state"). Parameters stepped whole
-        (Muon, Adafactor) keep fp32 state, and so do optimizers with per-element state that
-        is not a moment (ASGD's ``ax``, Rprop's ``prev``, ``step_size``).
+        it changes results (``docs/optimizer.md``, "Compact state"). Muon's momentum, of its
+        matrix's size, is stored so too; Adafactor's factored statistics keep fp32, and so do
+        optimizers with per-element state that is not a moment (ASGD's ``ax``, Rprop's
+        ``prev``, ``step_size``).
     master:
         ``"fp32"`` (default) stores an fp32 master of each bf16 parameter; ``"remainder"``
         stores the parameter and a 16-bit remainder instead, which rebuild the fp32 master
