@@ -1,4 +1,4 @@
-"""The streaming pipeline: read ahead, work, write behind, within one byte budget.
+"""How :class:`Pipeline` streams jobs: read ahead, work, write behind, within one byte budget.
 
 A cyclic workload over data larger than memory (an optimizer step, a pass over stored
 activations) is a list of :class:`Job` s, each naming the :class:`Region` s (element ranges of
@@ -19,8 +19,9 @@ fixed set and streams the rest, since the job just finished is the one used furt
 
 The budgets, buffers, transfers and policies are the engine's (:mod:`tierswap.engine`): one
 :class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
-holds at every moment, and one :class:`~tierswap.engine.BufferPool` per tier; idle pooled
-buffers count against the room left, so buffers in use plus idle never exceed a budget.
+holds at every moment. The jobs' host buffers come from one pool (``_buffers``); idle pooled
+buffers count against the room left, so buffers in use plus idle never exceed a budget. The
+write-behinds in flight are tracked by ``_writes``.
 
 **Work on the device** (``work_on_device=True`` with a transfer layer that moves bytes, e.g. a
 GPU): the work gets each job's tensors on the device and returns device tensors. A job's
@@ -42,79 +43,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
 from tierswap.config import Size, parse_size
-from tierswap.engine import (
-    BufferPool,
-    DeviceStaging,
-    Ledger,
-    Staged,
-    TierStats,
-    Transfers,
-    transfers_for,
-)
-from tierswap.errors import BudgetError, ConfigError
+from tierswap.engine import DeviceStaging, Ledger, Staged, TierStats, Transfers, transfers_for
+from tierswap.errors import BudgetError
 from tierswap.io import gather
+from tierswap.pipeline._buffers import JobBuffers
+from tierswap.pipeline._jobs import (
+    Job,
+    Region,
+    RegionStore,
+    Work,
+    nbytes_of,
+    write_regions,
+)
+from tierswap.pipeline._writes import WriteBehind
 from tierswap.tiers import DEVICE, HOST, TierName
 
-if TYPE_CHECKING:
-    from tierswap.store import ArrayInfo
-
-__all__ = ["Job", "Pipeline", "Region", "Work", "write_regions"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    """Elements ``[start, stop)`` of the flattened tensor stored under ``key``."""
-
-    key: str
-    start: int
-    stop: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One unit of work: the regions it reads and the host bytes it holds while in flight.
-
-    ``nbytes`` must cover the read buffers and anything the work allocates that lives until the
-    write-behind ends (e.g. state created on a first pass). A job with a ``tier`` (``"device"``
-    or ``"host"``) keeps its tensors there between passes; ``resident=True`` is ``tier="host"``.
-    ``scratch`` asks for a work buffer of that many bytes (part of ``nbytes``), handed to the
-    work by :meth:`Pipeline.scratch` from the pipeline's buffer pool: memory reused from one
-    job to the next, so that the work's temporaries do not pay a page fault per 4 KiB each time.
-    """
-
-    name: Hashable
-    reads: tuple[Region, ...]
-    nbytes: int
-    resident: bool = False
-    tier: TierName | None = None
-    scratch: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tier not in (None, DEVICE, HOST):
-            raise ConfigError(f"Job.tier={self.tier!r} must be None, 'device' or 'host'")
-        if not 0 <= self.scratch <= self.nbytes:
-            raise ConfigError(
-                f"Job.scratch={self.scratch} must be between 0 and nbytes={self.nbytes}: the "
-                "work buffer is part of the job's bytes"
-            )
-        if self.resident and self.tier is None:
-            object.__setattr__(self, "tier", HOST)
-
-
-#: ``work(job, tensors) -> writes``: ``tensors`` maps each of ``job.reads`` to a 1-D CPU tensor;
-#: the returned mapping names the regions to write back and their new contents.
-Work = Callable[[Job, dict[Region, torch.Tensor]], dict[Region, torch.Tensor]]
+__all__ = ["Pipeline"]
 
 
 @dataclasses.dataclass
@@ -124,18 +75,6 @@ class _Reading:
     job: Job
     tensors: dict[Region, torch.Tensor]
     done: Future[Any]
-
-
-class RegionStore(Protocol):
-    """What :class:`Pipeline` needs from a store: region reads and writes and array info."""
-
-    def info(self, key: str) -> ArrayInfo: ...
-
-    def get_region_async(
-        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
-    ) -> Future[torch.Tensor]: ...
-
-    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]: ...
 
 
 class Pipeline:
@@ -193,15 +132,8 @@ class Pipeline:
         self._reading: dict[Hashable, _Reading] = {}
         self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
         self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
-        self._writes: list[Future[Any]] = []
-        # write-behinds waiting for their copies back from the device: their regions, by the
-        # future of the moment they are handed to the store
-        self._unsent: dict[Future[None], tuple[Region, ...]] = {}
-        self._errors: list[BaseException] = []
-        self._pool = BufferPool()
-        # Work buffers by job name, oldest first: a job may be read again for the next pass
-        # while its last write-behind (which still holds its buffer) is in flight.
-        self._scratch: dict[Hashable, list[torch.Tensor]] = {}
+        self._writes = WriteBehind(store, self._cv)
+        self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
         self.stall_seconds = 0.0
 
@@ -209,11 +141,15 @@ class Pipeline:
     def prefetch(self, jobs: Iterable[Job]) -> None:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks."""
         for job in jobs:
-            if job.name in self._reading or job.name in self._resident or self._unsent_to(job):
+            if (
+                job.name in self._reading
+                or job.name in self._resident
+                or self._writes.unsent_to(job.reads)
+            ):
                 continue
             sizes = self._buffer_sizes(job)
             with self._cv:
-                claimed = self._claim_and_reserve(job, sizes)
+                claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
             if claimed is None:
                 return
             self._start_reads(job, claimed)
@@ -227,7 +163,7 @@ class Pipeline:
         work starts, so that it runs while this job works.
         """
         for position, job in enumerate(jobs):
-            self._raise_write_errors()
+            self._writes.raise_errors()
             tensors = self._acquire(job)
             self.prefetch(jobs[position + 1 :])
             try:
@@ -252,9 +188,7 @@ class Pipeline:
         contents undefined), for its work to use while it runs; ``None`` when it asked for none.
         It is taken from the pool with the job's read buffers, held as long as they are (a
         resident job keeps it) and then reused by later jobs: do not keep it past the work."""
-        with self._cv:  # write-behinds of the job's last pass may give theirs back meanwhile
-            held = self._scratch.get(job.name)
-            return held[-1] if held else None
+        return self._buffers.scratch(job.name)
 
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
@@ -267,7 +201,9 @@ class Pipeline:
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
             self._drop_reading(job.name)
         if job.name not in self._reading:
-            for handed in self._unsent_to(job):  # read what the store will hold, not before
+            for handed in self._writes.unsent_to(
+                job.reads
+            ):  # read what the store will hold, not before
                 handed.exception()
             self._start_reads(job, self._wait_for_room(job))
         reading = self._reading.pop(job.name)
@@ -302,52 +238,12 @@ class Pipeline:
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
         try:
-            done = self._write_when(landed, host_writes)
+            self._writes.start(landed, host_writes, then=lambda: self._give_back(job, tensors))
         except BaseException:
             self._give_back(job, tensors)
             raise
         with self._cv:
-            self._writes.append(done)
-            self._ledgers[HOST].bytes_out += _nbytes(host_writes)
-        done.add_done_callback(lambda f: self._written(job, tensors, f))
-
-    def _write_when(self, landed: Future[Any], writes: dict[Region, torch.Tensor]) -> Future[Any]:
-        """Start writing ``writes`` once ``landed`` completes: at once when it has (a failure
-        to start then raises here), else on the thread that completes it, so the wait for a
-        copy back from the device never happens on the caller's thread."""
-        if landed.done():
-            landed.result()
-            return write_regions(self._store, writes)
-        done: Future[Any] = Future()
-        handed: Future[None] = Future()  # the writes are the store's: it orders reads after them
-        with self._cv:
-            self._unsent[handed] = tuple(writes)
-
-        def start(copied: Future[Any]) -> None:
-            try:
-                copied.result()
-                written = write_regions(self._store, writes)
-            except BaseException as exc:
-                done.set_exception(exc)
-                return
-            finally:
-                with self._cv:
-                    del self._unsent[handed]
-                handed.set_result(None)
-            written.add_done_callback(lambda w: _settle(done, w))
-
-        landed.add_done_callback(start)
-        return done
-
-    def _unsent_to(self, job: Job) -> list[Future[None]]:
-        """Hand-overs to the store still to come of writes that overlap ``job``'s reads (a
-        read started before would read the bytes those writes replace)."""
-        with self._cv:
-            return [
-                handed
-                for handed, regions in self._unsent.items()
-                if any(_overlap(a, b) for a in regions for b in job.reads)
-            ]
+            self._ledgers[HOST].bytes_out += nbytes_of(host_writes)
 
     def _land(
         self,
@@ -403,8 +299,8 @@ class Pipeline:
             return False
         merged = {**tensors, **writes}
         with self._cv:
-            device.bytes_in += _nbytes(merged)
-            self._ledgers[HOST].bytes_out += _nbytes(merged)
+            device.bytes_in += nbytes_of(merged)
+            self._ledgers[HOST].bytes_out += nbytes_of(merged)
         if not self._transfers.moves:  # a device tier in host memory keeps the same buffers
             self._hold_on_device(job, merged)
             with self._cv:  # they leave the host's books
@@ -478,16 +374,7 @@ class Pipeline:
             landed = gather([c.done for c in copies.values()])
             return {region: c.host_tensor for region, c in copies.items()}, landed
         on_host, landed = self._staging.copy_out(host, writes)
-        return on_host, self._staging.finished(staged, landed, _nbytes(writes))
-
-    def _written(self, job: Job, tensors: dict[Region, torch.Tensor], done: Future[Any]) -> None:
-        error = done.exception()
-        with self._cv:
-            if error is not None:
-                self._errors.append(error)
-            if done in self._writes:
-                self._writes.remove(done)
-        self._give_back(job, tensors)
+        return on_host, self._staging.finished(staged, landed, nbytes_of(writes))
 
     # ------------------------------------------------------------------ budget and buffers
     def _wait_for_room(self, job: Job) -> list[torch.Tensor | None]:
@@ -497,30 +384,14 @@ class Pipeline:
         none before). Without writes in flight, :meth:`_reserve` makes the room."""
         sizes = self._buffer_sizes(job)
         with self._cv:
-            claimed = self._claim_and_reserve(job, sizes)
-            while claimed is None and self._writes:
+            claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
+            while claimed is None and self._writes.in_flight:
                 self._cv.wait()
-                claimed = self._claim_and_reserve(job, sizes)
+                claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
             if claimed is None:
                 self._reserve(job.nbytes)
                 claimed = [None] * len(sizes)
         return claimed
-
-    def _claim_and_reserve(self, job: Job, sizes: list[int]) -> list[torch.Tensor | None] | None:
-        """Reserve ``job``'s bytes at once and claim the idle buffers it reuses; ``None``
-        (nothing claimed or reserved) when the budget has no room now. Idle buffers count
-        against the room left, so the claimed ones are taken off the free list before the
-        pool is trimmed for the reservation: a job reuses them instead of faulting in new
-        memory. The caller holds the condition."""
-        host = self._ledgers[HOST]
-        if host.free < job.nbytes:  # no room even without idle buffers: trim nothing
-            return None
-        claimed = self._pool.claim(sizes)
-        self._pool.trim(max(host.free - job.nbytes, 0))
-        if host.try_reserve(job.nbytes):
-            return claimed
-        self._pool.give_all(claimed)
-        return None
 
     def _reserve(self, nbytes: int) -> None:
         """Reserve ``nbytes`` in the host ledger (the caller holds the condition)."""
@@ -536,7 +407,7 @@ class Pipeline:
         # Idle pooled buffers are trimmed only once the room is there (they hold none of the
         # ledger's room; trimming earlier would only free buffers the next reads could reuse).
         while host.free < nbytes:
-            if self._writes:
+            if self._writes.in_flight:
                 self._cv.wait()
             elif self._reading:
                 self._cv.release()
@@ -546,7 +417,7 @@ class Pipeline:
                     self._cv.acquire()
             else:
                 break
-        self._pool.trim(max(host.free - nbytes, 0))
+        self._buffers.trim_for(nbytes)
         host.reserve(nbytes, can_wait=lambda: False)
 
     def _buffer_sizes(self, job: Job) -> list[int]:
@@ -566,40 +437,23 @@ class Pipeline:
                 nbytes = region.numel * dtype.itemsize
                 buf = next(buffers, None)
                 if buf is None:
-                    with self._cv:
-                        buf = self._pool.take(nbytes)
+                    buf = self._buffers.take(nbytes)
                 tensors[region] = out = buf[:nbytes].view(dtype)
                 futures.append(
                     self._store.get_region_async(region.key, region.start, region.stop, out=out)
                 )
             if job.scratch > 0:
-                buf = next(buffers, None)
-                with self._cv:
-                    held = self._scratch.setdefault(job.name, [])
-                    held.append(buf if buf is not None else self._pool.take(job.scratch))
+                self._buffers.add_scratch(job.name, next(buffers, None), job.scratch)
         except BaseException:
-            with self._cv:
-                self._pool.give_all(list(buffers))
+            self._buffers.give_all(buffers)
             self._give_back(job, tensors)
             raise
         self._reading[job.name] = _Reading(job, tensors, gather(futures))
 
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
-        host = self._ledgers[HOST]
-        with self._cv:
-            for region in job.reads:
-                tensor = tensors.get(region)
-                if tensor is not None:
-                    self._pool.give(tensor)
-            held = self._scratch.get(job.name)
-            if held:
-                self._pool.give(held.pop(0))  # the oldest: its pass is the one that ended
-                if not held:
-                    del self._scratch[job.name]
-            host.release(job.nbytes)
-            self._pool.trim(host.free)
-            self._cv.notify_all()
+        held = (tensors[region] for region in job.reads if region in tensors)
+        self._buffers.give_back(job.name, held, job.nbytes)
 
     def _dtype(self, key: str) -> torch.dtype:
         dtype = self._dtypes.get(key)
@@ -614,16 +468,10 @@ class Pipeline:
     def drain(self) -> None:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
         the first write that failed."""
-        while True:
-            with self._cv:
-                pending = list(self._writes)
-            if not pending:
-                break
-            for future in pending:
-                future.exception()
+        self._writes.wait()
         if self._staging is not None:
             self._staging.wait_landing()
-        self._raise_write_errors()
+        self._writes.raise_errors()
 
     def release(self) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
@@ -657,7 +505,7 @@ class Pipeline:
         write_regions(self._store, on_host).result()
         with self._cv:
             for name, tensors in self._resident.items():
-                self._ledgers[self._resident_in[name][0]].bytes_out += _nbytes(tensors)
+                self._ledgers[self._resident_in[name][0]].bytes_out += nbytes_of(tensors)
         self.drain()
 
     def evict(self) -> None:
@@ -668,10 +516,7 @@ class Pipeline:
         with self._cv:
             for name, tensors in self._resident.items():
                 tier, nbytes = self._resident_in[name]
-                if tier == HOST:
-                    for tensor in tensors.values():
-                        self._pool.give(tensor, owned=False)
-                self._scratch.pop(name, None)  # dropped, as the resident tensors are
+                self._buffers.forget(name, tensors.values() if tier == HOST else ())
                 self._ledgers[tier].release(nbytes)
             self._resident.clear()
             self._resident_in.clear()
@@ -709,41 +554,3 @@ class Pipeline:
     def tier_stats(self) -> dict[TierName, TierStats]:
         """What each memory tier holds and served: used, budget, hits, misses, bytes in/out."""
         return {tier: ledger.stats() for tier, ledger in self._ledgers.items()}
-
-    def _raise_write_errors(self) -> None:
-        with self._cv:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-
-def _overlap(a: Region, b: Region) -> bool:
-    return a.key == b.key and a.start < b.stop and b.start < a.stop
-
-
-def _settle(target: Future[Any], source: Future[Any]) -> None:
-    """Complete ``target`` as ``source`` completed."""
-    error = source.exception()
-    if error is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(source.result())
-
-
-def _nbytes(tensors: Mapping[Region, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def write_regions(store: RegionStore, writes: Mapping[Region, torch.Tensor]) -> Future[Any]:
-    """Start writing every region of ``writes``; one future for all of them (its result raises
-    the first failure once every write has ended). When a write cannot even start, the writes
-    already started are waited for before the error is raised, so the caller may reuse the
-    tensors at once."""
-    futures: list[Future[Any]] = []
-    try:
-        for region, tensor in writes.items():
-            futures.append(store.put_region_async(region.key, region.start, tensor))
-    except BaseException:
-        gather(futures).exception()
-        raise
-    return gather(futures)
