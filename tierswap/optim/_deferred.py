@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeferredSteps"]
+__all__ = ["DeferredSteps", "frozen_group"]
+
+
+def frozen_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a param group as it is now, for a step that runs on after ``step()``
+    returned: an LR scheduler that moves on (or edits a tensor ``lr`` in place) does not
+    reach it."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}
 
 
 class DeferredSteps:

@@ -35,13 +35,15 @@ import torch
 from tierswap.config import ALIGN
 from tierswap.optim._partition import Segment, Slice, Slot, array_chunk_bytes, local_tensor
 from tierswap.optim.formats import MomentFormat, join, split
-from tierswap.pipeline import Region
+from tierswap.pipeline import Job, Region
+from tierswap.tiers import TierName
 
 __all__ = [
     "Scratch",
     "StepPlan",
     "clone_small",
     "flat",
+    "slice_job",
     "slice_reads",
     "state_region",
     "state_regions",
@@ -102,6 +104,24 @@ class Scratch:
 def flat(tensor: torch.Tensor) -> torch.Tensor:
     """The 1-D view of a parameter's (local) storage that slices index."""
     return local_tensor(tensor).view(-1)
+
+
+def slice_job(
+    piece: Slice,
+    state_names: dict[int, list[str]],
+    placement: dict[int, TierName],
+    *,
+    scratch: bool,
+) -> Job:
+    """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
+    steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers."""
+    return Job(
+        piece.index,
+        slice_reads(piece, state_names),
+        piece.working_set,
+        tier=placement.get(piece.index),
+        scratch=piece.scratch_bytes if scratch else 0,
+    )
 
 
 def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region, ...]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from tierswap.optim._partition import Slot
 from tierswap.optim._slice_step import StepPlan
 
 __all__ = ["StepState"]
@@ -42,6 +46,32 @@ class StepState:
     def holds_state(self) -> bool:
         """Whether any slot has state (per-element or scalar)."""
         return any(self.names.values()) or any(self.small.values())
+
+    def new_plan(
+        self,
+        slots: Sequence[Slot],
+        *,
+        inners: list[torch.optim.Optimizer],
+        groups: list[dict[str, Any]],
+        write_params: bool,
+        create: Callable[[str, tuple[int, ...], torch.dtype, int | None], None],
+        chunk_bytes: int,
+    ) -> StepPlan:
+        """The plan of the next step over ``slots``: what every slice's work gets (kept for
+        the whole step, so slices stepped in hooks and in ``step()`` see the same state before
+        the step). Slots without any state yet are *fresh*: torch creates theirs."""
+        fresh = {s.index for s in slots if not (self.names.get(s.index) or self.small.get(s.index))}
+        return StepPlan(
+            inners=inners,
+            groups=groups,
+            live=set(),
+            fresh=fresh,
+            state_names=self.names,
+            small_before=self.small,
+            write_params=write_params,
+            create=create,
+            chunk_bytes=chunk_bytes,
+        )
 
     def restore(
         self, small: dict[int, dict[str, Any]], names: dict[int, list[str]], steps: int

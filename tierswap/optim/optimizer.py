@@ -30,13 +30,14 @@ from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._deferred import DeferredSteps
+from tierswap.optim._deferred import DeferredSteps, frozen_group
 from tierswap.optim._layout import Layout, interleave, plan_layout
 from tierswap.optim._memory import step_allocations, trim_heap
-from tierswap.optim._names import check_unique, key_prefix
-from tierswap.optim._partition import Slice, Slot, local_tensor, master_dtype
-from tierswap.optim._probe import check_class, own_defaults, probe_group, whole_state
-from tierswap.optim._slice_step import StepPlan, slice_reads, step_slice
+from tierswap.optim._names import check_unique
+from tierswap.optim._partition import Slice, Slot
+from tierswap.optim._probe import check_class, own_defaults
+from tierswap.optim._slice_step import StepPlan, slice_job, step_slice
+from tierswap.optim._slots import group_slots, inner_for
 from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
@@ -238,45 +239,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
         optimizer_class = group.get("optimizer_class", type(self._inner))
         check_class(optimizer_class)
-        inner = self._inner_of(optimizer_class)
-        probes: dict[torch.dtype, tuple[bool, dict[str, int]]] = {}
-        names = group.get("param_names") or [None] * len(group["params"])
-        slots: list[Slot] = []
-        for param, name in zip(group["params"], names, strict=True):
-            dtype = master_dtype(param)
-            if dtype not in probes:
-                probes[dtype] = probe_group(optimizer_class, group, dtype)
-            if not local_tensor(param).is_contiguous():
-                raise ConfigError(
-                    f"a parameter of shape {tuple(param.shape)} is not contiguous; tierswap "
-                    "steps flat slices of parameters: call .contiguous() on it before training"
-                )
-            cut, state = probes[dtype]
-            whole = None if cut else whole_state(optimizer_class, group, param, name)
-            has_master = dtype != param.dtype or param.device.type != self.compute_device.type
-            key = key_prefix(name) if name is not None else ""
-            slots.append(
-                Slot(
-                    first + len(slots), param, group_index, has_master,
-                    tuple(state.values()), name, key, state_names=tuple(state),
-                    whole_state=whole, precision=self._config.state_precision,
-                    remainder=self._config.master == "remainder" and param.dtype == torch.bfloat16,
-                )
-            )  # fmt: skip
-        self._inners.append(inner)
+        slots = group_slots(
+            group, group_index=group_index, first=first, optimizer_class=optimizer_class,
+            config=self._config, compute_device=self.compute_device,
+        )  # fmt: skip
+        self._inners.append(inner_for(optimizer_class, self._inner, self._inners))
         return slots
-
-    def _inner_of(self, optimizer_class: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """The torch optimizer that steps groups of ``optimizer_class``: the inner one, or one
-        made for a param group that names another class (its own groups are never used)."""
-        if optimizer_class is type(self._inner):
-            return self._inner
-        for inner in self._inners:
-            if type(inner) is optimizer_class:
-                return inner
-        dummy = torch.zeros(2, 2, requires_grad=True)
-        made: torch.optim.Optimizer = optimizer_class([dummy])  # type: ignore[call-arg]
-        return made
 
     def _plan(
         self, slots: list[Slot], host_budget: int | None, chunk_bytes: int | None = None
@@ -415,7 +383,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         pieces = [p for p in self._layout.slices[::-1] if any(s.index in live for s in p.slots)]
         plan = self._new_plan()
         plan.live |= live
-        plan.groups = [_frozen(group) for group in self.param_groups]  # the scheduler moves on
+        plan.groups = [frozen_group(group) for group in self.param_groups]  # the scheduler moves on
         plan.grads = {index: self._layout.slots[index].param.grad for index in live}
         self._read_ahead = False  # the next backward starts the next step's reads
         counts: Counter[int] = Counter()
@@ -491,37 +459,19 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
 
     def _new_plan(self) -> StepPlan:
-        """The arguments every slice's work gets during one step (kept for the whole step, so
-        slices stepped in hooks and in ``step()`` see the same state before the step)."""
-        fresh = {
-            s.index for s in self._layout.slots if not self._state.names.get(s.index)
-            and not self._state.small.get(s.index)
-        }  # fmt: skip
-        return StepPlan(
-            inners=self._inners,
-            groups=self.param_groups,
-            live=set(),
-            fresh=fresh,
-            state_names=self._state.names,
-            small_before=self._state.small,
-            write_params=self._commit_due(),
-            create=self._backend.create,
+        return self._state.new_plan(
+            self._layout.slots, inners=self._inners, groups=self.param_groups,
+            write_params=self._commit_due(), create=self._backend.create,
             chunk_bytes=self._layout.chunk_bytes,
-        )
+        )  # fmt: skip
 
     def _commit_due(self) -> bool:
         """Whether the step under way (or about to start) ends with a commit."""
         return self._commits.due(self._state.steps + 1)
 
     def _job(self, piece: Slice) -> Job:
-        """The pipeline job of ``piece``: its reads, bytes and residency."""
-        return Job(
-            piece.index,
-            slice_reads(piece, self._state.names),
-            piece.working_set,
-            tier=self._layout.placement.get(piece.index),
-            scratch=piece.scratch_bytes if self.compute_device.type == "cpu" else 0,
-        )
+        on_cpu = self.compute_device.type == "cpu"
+        return slice_job(piece, self._state.names, self._layout.placement, scratch=on_cpu)
 
     def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         created = bool(plan.fresh)
@@ -714,9 +664,3 @@ def _compute_device(tier: str) -> torch.device:
     if tier == DEVICE and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _frozen(group: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a param group as it is now: an LR scheduler that moves on after ``step()``
-    (or edits a tensor ``lr`` in place) does not reach a step still running."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items()}
