@@ -23,7 +23,9 @@ class WriteBehind:
 
     ``cv`` is the pipeline's condition: :attr:`in_flight` is read under it, and the end of a
     write is recorded under it before the caller's ``then`` runs (which notifies waiters).
-    A write that fails is kept and raised by :meth:`raise_errors`, once.
+    A write that fails is kept and raised by :meth:`raise_errors`, once. :meth:`start`,
+    :meth:`unsent_to`, :meth:`wait` and :meth:`raise_errors` are called from one thread (the
+    pipeline's caller).
     """
 
     def __init__(self, store: RegionStore, cv: threading.Condition) -> None:
