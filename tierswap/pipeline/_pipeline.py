@@ -217,7 +217,7 @@ class Pipeline:
         with self._cv:
             host = self._ledgers[HOST]
             host.misses += 1
-            host.bytes_in += sum(t.numel() * t.element_size() for t in reading.tensors.values())
+            host.bytes_in += nbytes_of(reading.tensors)
         return reading.tensors
 
     def _finish(
