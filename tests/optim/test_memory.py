@@ -75,7 +75,7 @@ for p in params:
     p.grad = torch.randn_like(p)
 budget = 16 << 20
 opt = ts.SwapOptimizer(params, torch.optim.AdamW, fused=True, swap_dir={swap!r},
-                       host_budget=budget, commit_every=0)
+                       host_budget=budget, commit_every=0, state_precision={precision!r})
 store = opt._backend.store  # a disk of 200 MB/s reads and 100 MB/s writes, one request at a time
 locks = {{"read_file": threading.Lock(), "write_file": threading.Lock()}}
 rates = {{"read_file": 200e6, "write_file": 100e6}}
@@ -103,8 +103,8 @@ print(json.dumps({{"runtime": runtime, "peak": peak, "budget": budget, "host": h
 )
 
 
-def _slow_disk_run(tmp_path) -> dict:
-    code = SLOW_DISK_CHILD.format(root=str(ROOT), swap=str(tmp_path / "swap"))
+def _slow_disk_run(tmp_path, precision: str = "fp32") -> dict:
+    code = SLOW_DISK_CHILD.format(root=str(ROOT), swap=str(tmp_path / "swap"), precision=precision)
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=240
     ).stdout
@@ -112,10 +112,12 @@ def _slow_disk_run(tmp_path) -> dict:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_the_ledger_holds_the_budget_on_a_slow_disk(tmp_path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_ledger_holds_the_budget_on_a_slow_disk(tmp_path, precision: str) -> None:
     """Every request delayed: reads and writes pile up, yet the host ledger never passes the
-    budget (it counts every buffer held while a read or write is pending)."""
-    figures = _slow_disk_run(tmp_path)
+    budget (it counts every buffer held while a read or write is pending, the work buffer of
+    compact state and the state torch creates on the first step included)."""
+    figures = _slow_disk_run(tmp_path, precision)
     host = figures["host"]
     assert 0 < host["peak"] <= host["budget"] == figures["budget"]
     assert host["misses"] > 0  # the state streamed through the throttled disk

@@ -59,7 +59,7 @@ def test_slices_split_and_share_parameters_bitwise(name: str, dtype: torch.dtype
         plain = optimizer_class(masters, **kwargs)
     else:
         plain = optimizer_class(plain_model.parameters(), **kwargs)
-    swap = SwapOptimizer(swap_model.parameters(), optimizer_class, host_budget="120KiB", **kwargs)
+    swap = SwapOptimizer(swap_model.parameters(), optimizer_class, host_budget="96KiB", **kwargs)
     with swap:
         assert any(len(s.segments) > 1 for s in swap.slices), "no slice shared by parameters"
         weight = swap_model.big.weight

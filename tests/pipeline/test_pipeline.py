@@ -162,12 +162,12 @@ def test_failing_work_on_a_resident_job_keeps_it_resident(store) -> None:
 
 
 def _scratch_jobs() -> list[Job]:
-    """Four jobs of one chunk of ``big`` each, asking for a one-chunk work buffer."""
+    """Four jobs of one chunk of ``big`` each, asking for work buffers of one or two chunks."""
     reads = [(Region("big", 1024 * i, 1024 * (i + 1)),) for i in range(4)]
-    return [Job(i, r, 2 * CHUNK, scratch=CHUNK) for i, r in enumerate(reads)]
+    return [Job(i, r, CHUNK, scratch=CHUNK * (1 + i % 2)) for i, r in enumerate(reads)]
 
 
-def test_work_buffers_come_from_the_pool_and_are_reused(store, monkeypatch) -> None:
+def test_one_work_buffer_serves_every_job_and_is_reused(store, monkeypatch) -> None:
     import tierswap.engine._pool as pool_module
 
     allocated: list[int] = []
@@ -178,13 +178,14 @@ def test_work_buffers_come_from_the_pool_and_are_reused(store, monkeypatch) -> N
         return allocate(shape, dtype, device, **kw)
 
     monkeypatch.setattr(pool_module, "allocate", counting)
-    pipeline = Pipeline(store, budget=2 * 2 * CHUNK)  # two jobs at once: a tight budget
+    # two jobs in flight beside the work buffer of the largest request: a tight budget
+    pipeline = Pipeline(store, budget=2 * CHUNK + 2 * CHUNK)
     seen: list[int] = []
 
     def work(job, tensors):
         buf = pipeline.scratch(job)
         assert buf is not None
-        assert buf.numel() >= CHUNK
+        assert buf.numel() >= job.scratch
         assert buf.dtype == torch.uint8
         assert pipeline.held <= pipeline.budget
         seen.append(buf.data_ptr())
@@ -198,15 +199,28 @@ def test_work_buffers_come_from_the_pool_and_are_reused(store, monkeypatch) -> N
     pipeline.run(_scratch_jobs(), work)
     pipeline.drain()
     assert len(allocated) == first_pass, "a later pass faulted in new buffers"
-    assert len(set(seen)) <= 4  # two jobs in flight, each with a read and a work buffer
-    assert pipeline.held == 0
+    assert len(set(seen)) == 1  # one work buffer, of the largest request, for every job
+    assert pipeline.held == 2 * CHUNK  # the work buffer stays reserved between passes
     assert torch.equal(store.get("big")[:4096], 16 * torch.arange(4096.0))
+    pipeline.evict()  # until the layout changes
+    assert pipeline.held == 0
 
 
-def test_a_job_without_scratch_gets_none_and_scratch_is_part_of_nbytes(store) -> None:
+def test_a_work_buffer_that_does_not_fit_beside_the_resident_jobs_is_refused(store) -> None:
+    pipeline = Pipeline(store, budget=4 * CHUNK)
+    resident = Job("a", (Region("a", 0, 100),), 3 * CHUNK, tier="host")
+    pipeline.run([resident], _double)
+    pipeline.drain()
+    with pytest.raises(BudgetError, match="work buffer"):
+        pipeline.run([Job("b", (Region("b", 0, 100),), CHUNK, scratch=2 * CHUNK)], _double)
+    assert pipeline.held == 3 * CHUNK  # the resident job, nothing else
+
+
+def test_a_job_without_scratch_gets_none(store) -> None:
     pipeline = Pipeline(store, budget=4 * CHUNK)
     job = Job("a", (Region("a", 0, 100),), CHUNK)
     pipeline.run([job], lambda j, t: (pipeline.scratch(j), {})[1])
     assert pipeline.scratch(job) is None
+    assert pipeline.held == 0
     with pytest.raises(ts.errors.ConfigError, match="scratch"):
-        Job("b", (), CHUNK, scratch=2 * CHUNK)
+        Job("b", (), CHUNK, scratch=-1)

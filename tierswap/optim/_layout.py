@@ -100,35 +100,70 @@ def plan_layout(
     ``chunk_bytes`` keeps a chunking already stored (``None``: choose one).
     ``device_compute``: slices step on a GPU, so streamed ones pass through device memory too.
     Raises ``ConfigError`` when a slice does not fit a budget.
+
+    On the CPU a slice holds its :attr:`~Slice.held_bytes` from its reads to the end of its
+    write-back, resident or streamed, and the step's work buffers (the fp32 decodings of
+    compact state, ...) are one buffer for all slices, of the largest slice's
+    :attr:`~Slice.scratch_bytes` (:meth:`tierswap.Pipeline.scratch`), so the streaming part
+    holds ``STREAM_SLICES`` slices plus that one buffer. On a GPU every slice counts its whole
+    working set.
     """
+
+    def held(piece: Slice) -> int:
+        return piece.working_set if device_compute else piece.held_bytes
+
+    def work(piece: Slice) -> int:
+        return 0 if device_compute else piece.scratch_bytes
+
     chunk = chunk_bytes or _chunk_for(chunk_target(slots, MAX_SLICE_BYTES))
     whole = plan_slices(slots[::-1], MAX_SLICE_BYTES, chunk)
-    total = sum(piece.working_set for piece in whole)
+    total = sum(held(piece) for piece in whole) + max(map(work, whole), default=0)
     budget = host_budget if host_budget is not None else max(total, 1)
     stream = 0
     slices = whole
     if total > budget:
         stream = max(budget // 10, min(budget, STREAM_FLOOR))
-        target = min(max(stream // STREAM_SLICES, 1), MAX_SLICE_BYTES)
+        share = 1 if device_compute else _work_share(slots)
+        target = min(max(int(stream * share), 1), MAX_SLICE_BYTES)
         chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
         slices = plan_slices(slots[::-1], target, chunk)
     check_budget(slices, budget, "host_budget")
     if device_compute:
         check_budget(slices, device_budget, "device_budget")
-    largest = max((piece.working_set for piece in slices), default=0)
+    largest = max((held(piece) for piece in slices), default=0)
+    work_buffer = max(map(work, slices), default=0)
     capacities: dict[str, int] = {DEVICE: device_budget}
     if device_compute:  # streamed slices pass through the device
         capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
-    capacities[HOST] = budget - max(stream, STREAM_SLICES * largest if stream else 0)
+    in_flight = STREAM_SLICES * largest if stream else 0
+    capacities[HOST] = budget - max(stream, in_flight + work_buffer)
     policies = {
         tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
     }
-    sizes = {str(piece.index): piece.working_set for piece in slices}
+    sizes = {str(piece.index): held(piece) for piece in slices}
     order = slices[::-1] if forward_order else slices
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
     placed = place(policies, schedule, sizes, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
     return Layout(list(slots), slices, placement, chunk, budget)
+
+
+def _work_share(slots: list[Slot]) -> float:
+    """The share of the streaming part one slice's working set may take: a
+    ``STREAM_SLICES``-th when slices need no work buffer; more when they do, since the
+    streaming part then holds ``STREAM_SLICES`` slices without their work buffers and one
+    work buffer: with ``r`` work bytes per held byte, ``STREAM_SLICES * w / (1 + r) +
+    r * w / (1 + r)`` fills it for a working set ``w``. ``r`` is the cut parameters' mean
+    over their elements; a slice of another kind then holds a little more or less than
+    planned, which the room left for resident slices follows (:func:`plan_layout`)."""
+    held = scratch = 0.0
+    for slot in slots:
+        if not slot.whole:
+            numel = slot.local.numel()
+            scratch += numel * slot.scratch_per_element
+            held += numel * (slot.bytes_per_element - slot.scratch_per_element)
+    r = scratch / held if held > 0 else 0.0
+    return (1 + r) / (STREAM_SLICES + r)
 
 
 def _chunk_for(target: int) -> int:

@@ -255,6 +255,12 @@ class Slot:
         return -(-per_block // BLOCK_SIZE)
 
     @property
+    def scratch_per_element(self) -> float:
+        """Bytes of work buffers per element while stepping (part of
+        :attr:`bytes_per_element`)."""
+        return sum(self.scratch_buffers(BLOCK_SIZE)) / BLOCK_SIZE
+
+    @property
     def min_itemsize(self) -> int:
         """Smallest element size among the slot's stored arrays (state, master, param)."""
         state = {"fp32": self.state_itemsizes, "bf16": (2,), "8bit": (1,)}[self.stored_precision]
@@ -302,6 +308,12 @@ class Segment:
             return 0
         return sum(_footprint(n) for n in self.slot.scratch_buffers(self.numel))
 
+    @property
+    def held_bytes(self) -> int:
+        """The working set less the work buffers: what the segment holds from its reads to
+        the end of its write-back (the work buffers serve one step at a time, on the CPU)."""
+        return self.working_set - self.scratch_bytes
+
 
 @dataclasses.dataclass
 class Slice:
@@ -322,6 +334,12 @@ class Slice:
     def scratch_bytes(self) -> int:
         """Bytes of the work buffers of all segments (the step's reused scratch)."""
         return sum(seg.scratch_bytes for seg in self.segments)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held from the slice's reads to the end of its write-back, work buffers
+        aside (:meth:`Segment.held_bytes`)."""
+        return sum(seg.held_bytes for seg in self.segments)
 
     @property
     def slots(self) -> list[Slot]:

@@ -114,13 +114,33 @@ def slice_job(
     scratch: bool,
 ) -> Job:
     """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
-    steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers."""
+    steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
+    pipeline keeps apart (one for all slices: the job's bytes leave them out). Elsewhere the
+    step allocates its work tensors, and the job's bytes count them.
+
+    A slice with a trainable parameter that has no state yet (its first step) steps with
+    the state torch creates instead of decoded copies: that pass takes no share of the work
+    buffer, its bytes count its own work tensors instead, and the slice becomes resident
+    only from its next pass, when it holds what the layout planned for it."""
+    tier = placement.get(piece.index)
+    fresh = piece.scratch_bytes > 0 and any(
+        seg.slot.param.requires_grad and not state_names.get(seg.slot.index)
+        for seg in piece.segments
+    )
+    if not scratch or fresh:  # its work tensors are its own
+        own = piece.scratch_bytes
+        return Job(
+            piece.index,
+            slice_reads(piece, state_names),
+            piece.held_bytes + own,
+            tier=None if fresh else tier,
+        )
     return Job(
         piece.index,
         slice_reads(piece, state_names),
-        piece.working_set,
-        tier=placement.get(piece.index),
-        scratch=piece.scratch_bytes if scratch else 0,
+        piece.held_bytes,
+        tier=tier,
+        scratch=piece.scratch_bytes,
     )
 
 

@@ -1,5 +1,5 @@
-"""The host buffers of a pipeline's jobs: one per read and a work buffer (scratch) per job,
-taken from one pool and counted in the host ledger.
+"""The host buffers of a pipeline's jobs: one per read, and one work buffer that the jobs'
+work shares, taken from one pool and counted in the host ledger.
 
 A job's bytes are reserved in the ledger before its buffers are taken; idle pooled buffers
 count against the room the ledger has left (the pool is trimmed to it), so buffers held plus
@@ -9,7 +9,7 @@ idle never exceed the budget. Private to :mod:`tierswap.pipeline`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -23,15 +23,16 @@ class JobBuffers:
 
     ``host`` is the ledger the jobs' bytes are reserved in and ``cv`` the condition that
     guards it (shared with the pipeline): methods documented "the caller holds the condition"
-    must be called under it, the others take it themselves. A job may be read again for the
-    next pass while its last write-behind still holds its work buffer, so a job's work
-    buffers are kept oldest first.
+    must be called under it, the others take it themselves. The work buffer is used by one
+    job's work at a time (the pipeline's caller runs them one after the other) and kept, its
+    bytes reserved, until :meth:`drop_work`.
     """
 
     def __init__(self, host: Ledger, cv: threading.Condition) -> None:
         self._host, self._cv = host, cv
         self._pool = BufferPool()
-        self._scratch: dict[Hashable, list[torch.Tensor]] = {}
+        self._work: torch.Tensor | None = None
+        self.work_bytes = 0  # reserved for the work buffer
 
     def claim_and_reserve(self, nbytes: int, sizes: list[int]) -> list[torch.Tensor | None] | None:
         """Reserve ``nbytes`` at once and claim idle buffers for requests of ``sizes`` bytes
@@ -63,37 +64,38 @@ class JobBuffers:
         with self._cv:
             self._pool.give_all(list(buffers))
 
-    def add_scratch(self, name: Hashable, claimed: torch.Tensor | None, nbytes: int) -> None:
-        """Give job ``name`` its work buffer for this pass: ``claimed``, or a new one."""
-        with self._cv:
-            buffer = claimed if claimed is not None else self._pool.take(nbytes)
-            self._scratch.setdefault(name, []).append(buffer)
+    @property
+    def work(self) -> torch.Tensor | None:
+        """The work buffer (``work_bytes`` or more, uint8), or ``None`` before any."""
+        return self._work
 
-    def scratch(self, name: Hashable) -> torch.Tensor | None:
-        """The work buffer of job ``name``'s newest pass (``None``: it has none)."""
-        with self._cv:
-            held = self._scratch.get(name)
-            return held[-1] if held else None
+    def hold_work(self, nbytes: int) -> None:
+        """Take the work buffer, ``nbytes`` already reserved in the ledger (replacing one that
+        :meth:`drop_work` let go). The caller holds the condition."""
+        assert self._work is None
+        self._work, self.work_bytes = self._pool.take(nbytes), nbytes
 
-    def give_back(self, name: Hashable, buffers: Iterable[torch.Tensor], nbytes: int) -> None:
-        """A pass of job ``name`` ended: its read ``buffers`` and its oldest work buffer go
-        back to the pool, its ``nbytes`` to the ledger, and waiters are woken."""
+    def drop_work(self) -> None:
+        """Return the work buffer to the pool and its bytes to the ledger. The caller holds
+        the condition."""
+        if self._work is not None:
+            self._pool.give(self._work)
+            self._host.release(self.work_bytes)
+        self._work, self.work_bytes = None, 0
+
+    def give_back(self, buffers: Iterable[torch.Tensor], nbytes: int) -> None:
+        """A job's pass ended: its read ``buffers`` go back to the pool, its ``nbytes`` to the
+        ledger, and waiters are woken."""
         with self._cv:
             for buffer in buffers:
                 self._pool.give(buffer)
-            held = self._scratch.get(name)
-            if held:
-                self._pool.give(held.pop(0))  # the oldest: its pass is the one that ended
-                if not held:
-                    del self._scratch[name]
             self._host.release(nbytes)
             self._pool.trim(self._host.free)
             self._cv.notify_all()
 
-    def forget(self, name: Hashable, host_tensors: Iterable[torch.Tensor]) -> None:
-        """Job ``name`` stops being resident: its host tensors (views of pooled buffers or
-        the work's own) are offered to the pool and its work buffer dropped. The caller holds
-        the condition and releases the job's bytes from its tier's ledger."""
+    def forget(self, host_tensors: Iterable[torch.Tensor]) -> None:
+        """A job stops being resident: its host tensors (views of pooled buffers or the work's
+        own) are offered to the pool. The caller holds the condition and releases the job's
+        bytes from its tier's ledger."""
         for tensor in host_tensors:
             self._pool.give(tensor, owned=False)
-        self._scratch.pop(name, None)

@@ -43,9 +43,10 @@ class Job:
     ``nbytes`` must cover the read buffers and anything the work allocates that lives until the
     write-behind ends (e.g. state created on a first pass). A job with a ``tier`` (``"device"``
     or ``"host"``) keeps its tensors there between passes; ``resident=True`` is ``tier="host"``.
-    ``scratch`` asks for a work buffer of that many bytes (part of ``nbytes``), handed to the
-    work by :meth:`Pipeline.scratch` from the pipeline's buffer pool: memory reused from one
-    job to the next, so that the work's temporaries do not pay a page fault per 4 KiB each time.
+    ``scratch`` asks for a work buffer of that many bytes for the work's temporaries while it
+    runs (not part of ``nbytes``): the work runs one job at a time, so the pipeline keeps one
+    work buffer for all jobs (:meth:`Pipeline.scratch`), as large as the largest request,
+    counted in its budget and reused from one job to the next without page faults.
     """
 
     name: Hashable
@@ -58,11 +59,8 @@ class Job:
     def __post_init__(self) -> None:
         if self.tier not in (None, DEVICE, HOST):
             raise ConfigError(f"Job.tier={self.tier!r} must be None, 'device' or 'host'")
-        if not 0 <= self.scratch <= self.nbytes:
-            raise ConfigError(
-                f"Job.scratch={self.scratch} must be between 0 and nbytes={self.nbytes}: the "
-                "work buffer is part of the job's bytes"
-            )
+        if self.scratch < 0:
+            raise ConfigError(f"Job.scratch={self.scratch} must be >= 0 (bytes of work buffer)")
         if self.resident and self.tier is None:
             object.__setattr__(self, "tier", HOST)
 

@@ -87,8 +87,9 @@ class Pipeline:
         :class:`RegionStore`.
     budget:
         Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: jobs resident
-        in host memory, jobs read ahead, the job at work, jobs being written back and idle
-        pooled buffers. A job larger than the budget raises ``BudgetError``.
+        in host memory, jobs read ahead, the job at work and the work buffer (``Job.scratch``),
+        jobs being written back and idle pooled buffers. A job larger than the budget raises
+        ``BudgetError``.
     device_budget:
         Bytes of the device tier: jobs resident there (``Job.tier="device"``). On a GPU
         (``device`` a CUDA device) their tensors live in device memory; without one the device
@@ -139,7 +140,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the three stages
     def prefetch(self, jobs: Iterable[Job]) -> None:
-        """Start reading ``jobs`` (in order) while the budget has room; never blocks."""
+        """Start reading ``jobs`` (in order) while the budget has room; never blocks. The work
+        buffer comes first: reads started ahead would otherwise be dropped to make room for it."""
+        jobs = list(jobs)
+        if not self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=False):
+            return
         for job in jobs:
             if (
                 job.name in self._reading
@@ -162,6 +167,7 @@ class Pipeline:
         With ``work_on_device``, the next job's copy to the device is issued before this job's
         work starts, so that it runs while this job works.
         """
+        self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=True)
         for position, job in enumerate(jobs):
             self._writes.raise_errors()
             tensors = self._acquire(job)
@@ -184,11 +190,25 @@ class Pipeline:
             self.prefetch(jobs[position + 1 :])
 
     def scratch(self, job: Job) -> torch.Tensor | None:
-        """The work buffer of ``job`` (``job.scratch`` bytes or more, uint8, page-aligned, its
-        contents undefined), for its work to use while it runs; ``None`` when it asked for none.
-        It is taken from the pool with the job's read buffers, held as long as they are (a
-        resident job keeps it) and then reused by later jobs: do not keep it past the work."""
-        return self._buffers.scratch(job.name)
+        """The work buffer for ``job``'s work while it runs (``job.scratch`` bytes or more,
+        uint8, page-aligned, its contents undefined); ``None`` when it asked for none. One
+        buffer serves every job, one after the other: do not keep it past the work."""
+        return self._buffers.work if job.scratch > 0 else None
+
+    def _hold_work_buffer(self, nbytes: int, *, wait: bool) -> bool:
+        """Hold a work buffer of ``nbytes`` or more, reserved in the host budget until
+        :meth:`evict` (a larger one replaces a smaller one); whether it is held. ``wait``:
+        make the room as a job's reads do, else only take room that is free now."""
+        if nbytes <= self._buffers.work_bytes:
+            return True
+        with self._cv:
+            host = self._ledgers[HOST]
+            if not wait and host.free + self._buffers.work_bytes < nbytes:
+                return False
+            self._buffers.drop_work()
+            self._reserve(nbytes)
+            self._buffers.hold_work(nbytes)
+        return True
 
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
@@ -396,11 +416,11 @@ class Pipeline:
     def _reserve(self, nbytes: int) -> None:
         """Reserve ``nbytes`` in the host ledger (the caller holds the condition)."""
         host = self._ledgers[HOST]
-        resident = self._resident_total(HOST)
+        resident = self._resident_total(HOST) + self._buffers.work_bytes
         if resident + nbytes > self.budget:
             raise BudgetError(
                 f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
-                f"bytes beside {resident} resident bytes; raise the budget"
+                f"bytes beside {resident} bytes of resident jobs and work buffer; raise the budget"
             )
         # Write-behinds free room as they finish. Without any in flight, what holds the room
         # is resident jobs (checked above) and reads started ahead for this pass: drop those.
@@ -421,13 +441,12 @@ class Pipeline:
         host.reserve(nbytes, can_wait=lambda: False)
 
     def _buffer_sizes(self, job: Job) -> list[int]:
-        """Bytes of the buffers ``job`` takes from the pool: one per read, then its scratch."""
-        sizes = [region.numel * self._dtype(region.key).itemsize for region in job.reads]
-        return [*sizes, job.scratch] if job.scratch > 0 else sizes
+        """Bytes of the buffers ``job`` takes from the pool: one per read."""
+        return [region.numel * self._dtype(region.key).itemsize for region in job.reads]
 
     def _start_reads(self, job: Job, claimed: list[torch.Tensor | None]) -> None:
         """Start ``job``'s reads (its bytes reserved) into the ``claimed`` idle buffers, or new
-        ones from the pool where ``None``; take its scratch buffer too."""
+        ones from the pool where ``None``."""
         tensors: dict[Region, torch.Tensor] = {}
         buffers = iter(claimed)
         try:
@@ -442,8 +461,6 @@ class Pipeline:
                 futures.append(
                     self._store.get_region_async(region.key, region.start, region.stop, out=out)
                 )
-            if job.scratch > 0:
-                self._buffers.add_scratch(job.name, next(buffers, None), job.scratch)
         except BaseException:
             self._buffers.give_all(buffers)
             self._give_back(job, tensors)
@@ -453,7 +470,7 @@ class Pipeline:
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
         held = (tensors[region] for region in job.reads if region in tensors)
-        self._buffers.give_back(job.name, held, job.nbytes)
+        self._buffers.give_back(held, job.nbytes)
 
     def _dtype(self, key: str) -> torch.dtype:
         dtype = self._dtypes.get(key)
@@ -509,14 +526,16 @@ class Pipeline:
         self.drain()
 
     def evict(self) -> None:
-        """Write resident tensors back and drop them (before the store's keys are rewritten)."""
+        """Write resident tensors back and drop them (before the store's keys are rewritten),
+        and let the work buffer go."""
         if self._staging is not None:
             self._staging.drop_all()
         self.flush()
         with self._cv:
+            self._buffers.drop_work()
             for name, tensors in self._resident.items():
                 tier, nbytes = self._resident_in[name]
-                self._buffers.forget(name, tensors.values() if tier == HOST else ())
+                self._buffers.forget(tensors.values() if tier == HOST else ())
                 self._ledgers[tier].release(nbytes)
             self._resident.clear()
             self._resident_in.clear()
@@ -535,7 +554,8 @@ class Pipeline:
 
     @property
     def held(self) -> int:
-        """Host bytes held now: jobs resident in host memory and jobs in flight."""
+        """Host bytes held now: jobs resident in host memory, jobs in flight and the work
+        buffer."""
         with self._cv:
             return self._ledgers[HOST].used
 
