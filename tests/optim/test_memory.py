@@ -125,16 +125,18 @@ def test_the_ledger_holds_the_budget_on_a_slow_disk(tmp_path, precision: str) ->
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
-def test_memory_stays_bounded_on_a_slow_disk(tmp_path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_stays_bounded_on_a_slow_disk(tmp_path, precision: str) -> None:
     """Peak RSS stays within runtime + 1.1 x (params + grads + budget) on a slow disk.
 
     It used to fail inside full runs (282-311 MiB above the runtime against a limit of
     219-230) and pass alone: the child read its peak from ``ru_maxrss``, which holds the RSS
     of the pytest process that spawned it. It reads its own ``VmHWM`` now. Slow: about 10 s,
     and the run sits at 1.07x of the bound, so a machine with other allocator or huge-page
-    habits could cross it; run it where the figures are taken.
+    habits could cross it; run it where the figures are taken. With bf16 moments the work
+    buffer of their decodings is in the budget too (215 MiB against 219 here, fp32 214).
     """
-    figures = _slow_disk_run(tmp_path)
+    figures = _slow_disk_run(tmp_path, precision)
     params_and_grads = 2 * 12 * 2_000_000 * 4
     above = figures["peak"] - figures["runtime"]
     limit = 1.1 * (params_and_grads + figures["budget"])
