@@ -121,7 +121,8 @@ def slice_job(
     A slice with a trainable parameter that has no state yet (its first step) steps with
     the state torch creates instead of decoded copies: that pass takes no share of the work
     buffer, its bytes count its own work tensors instead, and the slice becomes resident
-    only from its next pass, when it holds what the layout planned for it."""
+    only from its next pass, when it holds what the layout planned for it (a slice holding a
+    trainable parameter that never gets a gradient therefore keeps streaming)."""
     tier = placement.get(piece.index)
     fresh = piece.scratch_bytes > 0 and any(
         seg.slot.param.requires_grad and not state_names.get(seg.slot.index)
