@@ -47,6 +47,12 @@ def _files(path: Path) -> dict[str, os.stat_result]:
     return {str(p.relative_to(path)): p.stat() for p in path.rglob("*") if p.is_file() and p.stat()}
 
 
+def _written(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Each file's inode, size and modification time: what a write would change (not the
+    access time, which a read may move)."""
+    return {name: (st.st_ino, st.st_size, st.st_mtime_ns) for name, st in _files(path).items()}
+
+
 def test_snapshot_links_chunks_and_copies_documents(tmp_path: Path) -> None:
     with _committed_store(tmp_path / "live") as store:
         store.put("a/x", torch.full((3000,), 5.0))  # uncommitted: not part of the snapshot
@@ -217,7 +223,7 @@ def test_snapshot_errors_change_nothing(tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "file").write_text("keep")
     with _committed_store(tmp_path / "live") as store, ts.SwapStore(tmp_path / "other") as other:
-        before = _files(tmp_path / "live")
+        before = _written(tmp_path / "live")
         with pytest.raises(ts.errors.SnapshotExistsError, match="not empty"):
             store.snapshot(tmp_path / "full")
         with pytest.raises(ts.errors.StoreLockedError, match="open for writing"):
@@ -226,7 +232,7 @@ def test_snapshot_errors_change_nothing(tmp_path: Path) -> None:
             store.snapshot(tmp_path / "live" / "inside")
         with pytest.raises(ts.errors.NoCommitError, match="no commit"):
             other.snapshot(tmp_path / "never")
-        assert _files(tmp_path / "live") == before
+        assert _written(tmp_path / "live") == before
         assert other.keys() == []
     assert (tmp_path / "full" / "file").read_text() == "keep"
     assert not (tmp_path / "never").exists()
