@@ -123,25 +123,17 @@ def slice_job(
     buffer, its bytes count its own work tensors instead, and the slice becomes resident
     only from its next pass, when it holds what the layout planned for it (a slice holding a
     trainable parameter that never gets a gradient therefore keeps streaming)."""
-    tier = placement.get(piece.index)
     fresh = piece.scratch_bytes > 0 and any(
         seg.slot.param.requires_grad and not state_names.get(seg.slot.index)
         for seg in piece.segments
     )
-    if not scratch or fresh:  # its work tensors are its own
-        own = piece.scratch_bytes
-        return Job(
-            piece.index,
-            slice_reads(piece, state_names),
-            piece.held_bytes + own,
-            tier=None if fresh else tier,
-        )
+    shared = scratch and not fresh  # else its work tensors are its own
     return Job(
         piece.index,
         slice_reads(piece, state_names),
-        piece.held_bytes,
-        tier=tier,
-        scratch=piece.scratch_bytes,
+        piece.held_bytes + (0 if shared else piece.scratch_bytes),
+        tier=None if fresh else placement.get(piece.index),
+        scratch=piece.scratch_bytes if shared else 0,
     )
 
 
