@@ -143,8 +143,12 @@ class Pipeline:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks. The work
         buffer comes first: reads started ahead would otherwise be dropped to make room for it."""
         jobs = list(jobs)
-        if not self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=False):
-            return
+        if self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=False):
+            self._read_ahead(jobs)
+
+    def _read_ahead(self, jobs: Sequence[Job]) -> None:
+        """Start reading ``jobs`` (in order) while the budget has room (their work buffer
+        already held)."""
         for job in jobs:
             if (
                 job.name in self._reading
@@ -171,7 +175,7 @@ class Pipeline:
         for position, job in enumerate(jobs):
             self._writes.raise_errors()
             tensors = self._acquire(job)
-            self.prefetch(jobs[position + 1 :])
+            self._read_ahead(jobs[position + 1 :])  # the work buffer is held for all of them
             try:
                 staged = self._staged_for(job, tensors)
             except BaseException:
@@ -187,7 +191,7 @@ class Pipeline:
                 self._abandon(job, tensors, staged)
                 raise
             self._finish(job, tensors, staged, writes)
-            self.prefetch(jobs[position + 1 :])
+            self._read_ahead(jobs[position + 1 :])
 
     def scratch(self, job: Job) -> torch.Tensor | None:
         """The work buffer for ``job``'s work while it runs (``job.scratch`` bytes or more,
