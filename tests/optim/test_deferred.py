@@ -80,13 +80,13 @@ def test_step_returns_before_the_slices_and_forward_waits_per_module(tmp_path, m
     ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2, weight_decay=0.1)
     opt = _swap(model, tmp_path)
     gate = threading.Event()
-    work = opt._work
+    work = opt._stepper.work
 
     def slow_work(plan, job, tensors):  # the disk, slowed: slices finish after step() returns
         gate.wait(10)
         return work(plan, job, tensors)
 
-    monkeypatch.setattr(opt, "_work", slow_work)
+    monkeypatch.setattr(opt._stepper, "work", slow_work)
     with opt:
         x = _batches(1)[0]
         for m, o in ((ref_model, ref), (model, opt)):
@@ -134,7 +134,7 @@ def test_a_failed_deferred_step_is_raised_and_not_committed(tmp_path, monkeypatc
     def broken(plan, job, tensors):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(opt, "_work", broken)
+    monkeypatch.setattr(opt._stepper, "work", broken)
     model(_batches(1)[0]).sum().backward()
     opt.step()  # returns: the failure comes from the worker
     with pytest.raises(OSError, match="Input/output"):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
@@ -30,18 +30,17 @@ from tierswap.optim import _hooks, _snapshot, _state_dict
 from tierswap.optim._backend import StateBackend
 from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._deferred import DeferredSteps, frozen_group
-from tierswap.optim._layout import Layout, interleave, plan_layout
-from tierswap.optim._memory import step_allocations, trim_heap
+from tierswap.optim._deferred import DeferredSteps
+from tierswap.optim._layout import Layout, plan_layout
+from tierswap.optim._memory import step_allocations
 from tierswap.optim._names import check_unique
 from tierswap.optim._partition import Slice, Slot
 from tierswap.optim._probe import check_class, own_defaults
-from tierswap.optim._slice_step import StepPlan, slice_job, step_slice
 from tierswap.optim._slots import group_slots, inner_for
 from tierswap.optim._step_state import StepState
+from tierswap.optim._stepper import Stepper
 from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
-from tierswap.pipeline import Job, Region
 from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -185,7 +184,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
         self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
-        self._read_ahead = False  # overlap="forward": this backward started the step's reads
         if config.overlap == "forward":
             self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
@@ -197,20 +195,25 @@ class SwapOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             slots += self._new_slots(group, len(slots))
         check_unique([slot.prefix for slot in slots])
-        self._layout = self._plan(slots, config.host_bytes)
+        layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
             _snapshot.seed_swap_dir(config.swap_dir, config.resume_from)
         self._backend = StateBackend(
             config.swap_dir,
-            budget=self._layout.host_budget,
+            budget=layout.host_budget,
             durable=config.durable,
             resume=config.resume,
-            chunk_bytes=self._layout.chunk_bytes,
+            chunk_bytes=layout.chunk_bytes,
             device_budget=config.device_bytes,
             device=self.compute_device,
             transfers=self._transfers,
             work_on_device=self.tier == DEVICE,
         )
+        self._stepper = Stepper(
+            layout, backend=self._backend, state=self._state, config=config,
+            commits=self._commits, deferred=self._deferred, inners=self._inners,
+            groups=self.param_groups, compute_device=self.compute_device, commit=self._commit,
+        )  # fmt: skip
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
         # then; the at-exit closer of the backend handles that.
@@ -225,13 +228,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._finalizer()
             raise
-        self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
-        self._final: set[int] = set()  # slots whose gradient is final in this step
         self._hook_handles = _hooks.register(self, [s.param for s in self._layout.slots])
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
             self.load_state_dict(existing)
+
+    @property
+    def _layout(self) -> Layout:
+        """The slots, slices and placement the steps run over (the stepper's)."""
+        return self._stepper.layout
+
+    @_layout.setter
+    def _layout(self, layout: Layout) -> None:
+        self._stepper.layout = layout
 
     def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:
         """The slots of ``group``'s parameters, numbered from ``first``; registers the torch
@@ -331,156 +341,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._config.overlap == "forward":
-            self._schedule_step()
+            self._stepper.schedule()
             return loss
         with step_allocations():  # the step's transients go back to the OS when freed
-            self._step_now()
+            self._stepper.step_now()
         return loss
 
-    def _step_now(self) -> None:
-        """Step every slice whose parameters have gradients, here and now; commit when due."""
-        due = self._commit_due()
-        live = self._live_slots()
-        pieces = [
-            piece
-            for piece in self._layout.slices
-            if piece.index not in self._state.stepped and any(s.index in live for s in piece.slots)
-        ]
-        pieces = interleave(pieces, self._layout.placement)
-        try:
-            self._step_slices(pieces, live)
-            if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
-                for index in live:
-                    self._layout.slots[index].param.grad = None
-        finally:
-            self._backend.pipeline.release()
-            plan, self._state.plan = self._state.plan, None
-            self._state.stepped.clear()
-            self._final.clear()
-        self._state.steps += 1
-        self._end_step(plan, due)
-
-    def _live_slots(self) -> set[int]:
-        """The slots this step updates: those whose parameter has a gradient."""
-        return {s.index for s in self._layout.slots if s.param.grad is not None}
-
-    def _end_step(self, plan: StepPlan | None, due: bool) -> None:
-        """After a step's slices: keep their scalar state, note which params they wrote, and
-        commit when due (``step()``, or the worker of ``overlap="forward"``)."""
-        if plan is not None:
-            self._state.small.update(plan.small_after)  # only now: hooks share small_before
-        # Stepped params without a master were written with their slices when a commit is due.
-        self._state.params_written = plan.live if plan is not None and plan.write_params else set()
-        self._commits.stepped()
-        if due:
-            self._commit()
-
-    def _schedule_step(self) -> None:
-        """``overlap="forward"``: freeze what the step needs now (gradients, hyper-parameters),
-        then step the slices on the worker, in forward order, and commit there when due."""
-        due = self._commit_due()
-        live = self._live_slots()
-        pieces = [p for p in self._layout.slices[::-1] if any(s.index in live for s in p.slots)]
-        plan = self._new_plan()
-        plan.live |= live
-        plan.groups = [frozen_group(group) for group in self.param_groups]  # the scheduler moves on
-        plan.grads = {index: self._layout.slots[index].param.grad for index in live}
-        self._read_ahead = False  # the next backward starts the next step's reads
-        counts: Counter[int] = Counter()
-        for piece in pieces:
-            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
-        self._state.steps += 1
-
-        def run() -> None:
-            with step_allocations():
-                try:
-                    self._run_slices(plan, pieces)
-                finally:
-                    self._backend.pipeline.release()
-                self._end_step(plan, due)
-
-        self._deferred.start(counts, run)
-
     def grad_final(self, param: torch.Tensor) -> None:
-        """Called by the post-accumulate-grad hook of ``param``: its gradient is final.
-
-        Starts the reads of its slices (as far as the budget allows), or, with
-        ``overlap="backward"``, steps each of its slices whose parameters' gradients are all
-        final (every ``accumulation_steps`` backward passes) and frees the gradients of the
-        parameters whose slices have all stepped.
-        """
-        slot = self._layout.slot_of.get(id(param))
-        if slot is None or self._backend.closed:
-            return
-        if self._config.overlap == "forward":  # read ahead now for the next step, in its order
-            if not self._read_ahead and not self._deferred.busy:
-                self._read_ahead = True
-                self._backend.pipeline.prefetch([self._job(p) for p in self._layout.slices[::-1]])
-            return
-        if self._config.overlap != "backward":
-            pieces = self._layout.slices_of[slot.index]
-            self._backend.pipeline.prefetch([self._job(p) for p in pieces])
-            return
-        count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
-        if count % self._config.accumulation_steps:
-            return
-        self._final.add(slot.index)
-        ready = [p for p in self._layout.slices_of[slot.index] if self._ready_in_backward(p)]
-        if ready:
-            with torch.no_grad(), step_allocations():
-                self._step_slices(ready)
-        for index in {seg.slot.index for piece in ready for seg in piece.segments}:
-            if all(p.index in self._state.stepped for p in self._layout.slices_of[index]):
-                self._layout.slots[index].param.grad = None
-
-    def _ready_in_backward(self, piece: Slice) -> bool:
-        """Not yet stepped, and every parameter that will get a gradient has its final one."""
-        return piece.index not in self._state.stepped and all(
-            seg.slot.index in self._final or not seg.slot.param.requires_grad
-            for seg in piece.segments
-        )
-
-    def _step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
-        """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
-        plan = self._state.plan
-        if plan is None:
-            plan = self._state.plan = self._new_plan()
-        plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
-        self._run_slices(plan, pieces)
-        self._state.stepped.update(piece.index for piece in pieces)
-
-    def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
-        """Stream ``pieces`` through the pipeline, each stepped by :meth:`_work` with ``plan``."""
-        jobs = [self._job(piece) for piece in pieces]
-        try:
-            self._backend.pipeline.run(jobs, lambda job, tensors: self._work(plan, job, tensors))
-        except BaseException:
-            self._state.failed = True  # some slices may have stepped: close() must not commit
-            raise
-
-    def _new_plan(self) -> StepPlan:
-        return self._state.new_plan(
-            self._layout.slots, inners=self._inners, groups=self.param_groups,
-            write_params=self._commit_due(), create=self._backend.create,
-            chunk_bytes=self._layout.chunk_bytes,
-        )  # fmt: skip
-
-    def _commit_due(self) -> bool:
-        """Whether the step under way (or about to start) ends with a commit."""
-        return self._commits.due(self._state.steps + 1)
-
-    def _job(self, piece: Slice) -> Job:
-        on_cpu = self.compute_device.type == "cpu"
-        return slice_job(piece, self._state.names, self._layout.placement, scratch=on_cpu)
-
-    def _work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
-        created = bool(plan.fresh)
-        piece = self._layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        writes = step_slice(plan, piece, tensors, self._backend.pipeline.scratch(job))
-        self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
-        if created:
-            trim_heap()  # the first step's state is freed after its write: free it for real
-        return writes
+        """Called by the post-accumulate-grad hook of ``param``: its gradient is final. Starts
+        the reads of its slices, or with ``overlap="backward"`` steps the ones now ready
+        (:meth:`~tierswap.optim._stepper.Stepper.grad_final`)."""
+        self._stepper.grad_final(param)
 
     def synchronize(self) -> None:
         """Wait until the last step is done, its writes included (the step returns while its
