@@ -118,7 +118,7 @@ def test_puts_of_one_key_never_overlap(
         in_flight: dict[str, int] = {}
         most = [0]
         lock = threading.Lock()
-        real = store._submit_put
+        real = store._puts.submit
 
         def counting(meta, source):
             with lock:
@@ -133,7 +133,7 @@ def test_puts_of_one_key_never_overlap(
             written.add_done_callback(done)
             return written
 
-        store._submit_put = counting
+        store._puts.submit = counting
         values = [torch.full((3000,), float(i)) for i in range(8)]
         for _ in range(5):
             errors = _run_together(*(lambda v=v: store.put("x", v) for v in values))

@@ -12,7 +12,8 @@ streamed a slice at a time (see :mod:`tierswap.store._regions`).
 The class keeps the public API and the whole-key operations; its parts live beside it: the
 concurrency gate (:mod:`~tierswap.store._gate`), the in-memory index and its claims
 (:mod:`~tierswap.store._index`), where new chunk files go (:mod:`~tierswap.store._staging`),
-region I/O (:mod:`~tierswap.store._regions`) and commits (:mod:`~tierswap.store._commit`).
+whole-tensor writes (:mod:`~tierswap.store._puts`), region I/O
+(:mod:`~tierswap.store._regions`) and commits (:mod:`~tierswap.store._commit`).
 
 A store may span several folders, one per drive (``SwapStore([A, B])``): the first is the home
 (metadata, journal), and chunk files are striped over all of them in proportion to their
@@ -24,14 +25,12 @@ Thread safety: see :class:`SwapStore`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -44,7 +43,7 @@ from tierswap.errors import (
     ReadOnlyError,
     StoreClosedError,
 )
-from tierswap.io import gather, translate_os_error
+from tierswap.io import gather
 from tierswap.keys import validate_key
 from tierswap.store import _journal as journal
 from tierswap.store._chunks import ChunkFiles, start_engines
@@ -52,13 +51,14 @@ from tierswap.store._commit import Committer, SyncPolicy, check_meta, fsync_dirs
 from tierswap.store._folder import StoreFolder
 from tierswap.store._gate import Gate
 from tierswap.store._index import Entry, PutClaim, ReadClaim, StoreIndex
-from tierswap.store._layout import ArrayInfo, ArrayMeta, chunk_bytes_for, locate
+from tierswap.store._layout import ArrayInfo, ArrayMeta, chunk_bytes_for
 from tierswap.store._members import store_paths
 from tierswap.store._placement import Placement, folder_weights
+from tierswap.store._puts import WholeWrites
 from tierswap.store._recycle import SPARE, SparePool
 from tierswap.store._regions import RegionIO
 from tierswap.store._snapshot import Progress, SnapshotResult, take_snapshot
-from tierswap.store._staging import ChunkTargets, unlink_all
+from tierswap.store._staging import ChunkTargets
 from tierswap.store._tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
 
 __all__ = ["StorePaths", "SwapStore"]
@@ -66,8 +66,6 @@ __all__ = ["StorePaths", "SwapStore"]
 Mode = Literal["r", "a", "w"]
 #: A store's folder, or its folders (one per drive, the home first).
 StorePaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
-#: A whole-tensor write that ended: the metadata with its CRCs, and the chunk files written.
-Written = tuple[ArrayMeta, list[Path]]
 
 
 class SwapStore:
@@ -182,6 +180,10 @@ class SwapStore:
         self._regions = RegionIO(
             self._gate, self._index, self._chunks, self._targets, durable=self.durable
         )
+        self._puts = WholeWrites(
+            self._gate, self._index, self._chunks, self._targets,
+            durable=self.durable, paths=self.paths,
+        )  # fmt: skip
 
     # ================================================================== guards
     def _check_open(self) -> None:
@@ -236,26 +238,8 @@ class SwapStore:
         }
         claim = PutClaim(self._index, list(sources), wait_reads=not self.durable)
         with self._gate.shared(claim):
-            writes = [self._submit_put(metas[key], source) for key, source in sources.items()]
-            self._install_all(writes)
-
-    def _install_all(self, writes: list[Future[Written]]) -> None:
-        """Install the writes of :meth:`put_many` once all ended, or none (deleting them)."""
-        written, error = [], None
-        for future in writes:
-            try:
-                written.append(future.result())
-            except BaseException as exc:
-                error = error or exc
-        try:
-            if error is None:
-                for meta, paths in written:
-                    self._install(meta, paths)
-        except OSError as exc:
-            error = translate_os_error(exc, "installing the keys of put_many")
-        if error is not None:
-            unlink_all(path for _meta, paths in written for path in paths)
-            raise error
+            writes = [self._puts.submit(metas[key], source) for key, source in sources.items()]
+            self._puts.install_all(writes)
 
     def create(
         self,
@@ -295,7 +279,7 @@ class SwapStore:
         meta = self._new_meta(key, dtype, shape, chunk_bytes)
         claim = PutClaim(self._index, [key], wait_reads=not self.durable)
         with self._gate.shared(claim) as section:
-            return section.finish(self._submit_put(meta, source), self._install_written)
+            return section.finish(self._puts.submit(meta, source), self._puts.install_written)
 
     def _new_meta(
         self, key: str, dtype: torch.dtype, shape: tuple[int, ...], chunk_bytes: int | None = None
@@ -305,95 +289,6 @@ class SwapStore:
         chunk = chunk_bytes_for(nbytes, largest, dtype.itemsize)
         folders = self._placement.folders(key, -(-nbytes // chunk))
         return ArrayMeta(key, dtype, shape, chunk, folders=folders)
-
-    def _submit_put(self, meta: ArrayMeta, source: torch.Tensor | None) -> Future[Written]:
-        """Start writing ``meta``'s chunk files from ``source`` (``None``: sparse zeros); the
-        future holds the metadata with its CRCs and the files, which a failure deletes."""
-        batch, chunks, size = self._targets.batch(), self._chunks, meta.chunk_bytes
-        paths: list[Path] = []
-        futures: list[Future[int]] = []
-        try:
-            flat = flat_bytes(source) if source is not None else None
-            for i in range(meta.nchunks):
-                offset, length = meta.payload(i)
-                folder = meta.folder_of(i)
-                if flat is None:
-                    paths.append(self._targets.new_path(meta.key, batch, i, folder))
-                    futures.append(
-                        chunks.submit(folder, chunks.zero, paths[-1], length, size, folder)
-                    )
-                    continue
-                path, recycled = self._targets.write_target(meta, batch, i)
-                paths.append(path)
-                piece = flat[offset : offset + length]
-                futures.append(
-                    chunks.submit(folder, chunks.write, path, piece, size, recycled, folder)
-                )
-        except BaseException as exc:  # failed to start: undone once the started writes end
-            failed: Future[int] = Future()
-            failed.set_exception(exc)
-            futures.append(failed)
-        written: Future[Written] = Future()
-
-        def _done(done: Future[list[int]], source: torch.Tensor | None = source) -> None:
-            del source  # kept alive until the writes finished
-            error = done.exception()
-            if error is None:
-                written.set_result((dataclasses.replace(meta, crcs=tuple(done.result())), paths))
-            else:
-                unlink_all(paths)
-                written.set_exception(error)
-
-        gather(futures).add_done_callback(_done)
-        return written
-
-    def _install_written(self, done: Future[Written]) -> None:
-        """Install one finished put's files (deleting them if that fails); raises its error."""
-        meta, paths = done.result()
-        try:
-            self._install(meta, paths)
-        except OSError as exc:
-            unlink_all(paths)
-            translated = translate_os_error(exc, f"installing key {meta.key!r}")
-            if translated is exc:
-                raise
-            raise translated from exc
-
-    def _install(self, meta: ArrayMeta, paths: list[Path]) -> None:
-        """Make freshly written chunk files the current version of ``meta.key``."""
-        if not self.durable:  # scratch: rename over the old chunks, drop any extra ones
-            paths = self._replace_in_place(meta, paths)
-        with self._gate.locked():
-            old = self._index.install(meta, paths, staged=self.durable)
-            doomed = self._index.retire(old) if old is not None else []
-        self._targets.discard(doomed)
-
-    def _replace_in_place(self, meta: ArrayMeta, paths: list[Path]) -> list[Path]:
-        """A scratch put's renames over the chunk files of ``meta.key``; returns the final
-        paths (old chunk files that are not among them are deleted)."""
-        finals = [locate(self.paths, meta.chunk_qualified(i)) for i in range(len(paths))]
-        for i, (path, final) in enumerate(zip(paths, finals, strict=True)):
-            try:
-                os.replace(path, final)
-            except OSError as exc:
-                if i:  # old and new chunk files mixed: neither version is there
-                    self._damage(meta.key, f"a put failed midway through its renames: {exc}")
-                raise
-        with self._gate.locked():
-            old = self._index.find(meta.key)
-        for extra in set(old.files) - set(finals) if old else ():
-            with contextlib.suppress(FileNotFoundError):
-                extra.unlink()
-        return finals
-
-    def _damage(self, key: str, why: str) -> None:
-        """Report ``key`` as damaged (a scratch store's in-place change failed midway): reads
-        raise, :meth:`verify` lists it, a put or delete repairs it. Its files stay as they
-        are until then (the next commit leaves them alone, so a reopen finds the damage)."""
-        with self._gate.locked():
-            entry = self._index.damage(key, why)
-            doomed = self._index.retire(entry) if entry is not None else []
-        self._targets.discard(doomed)
 
     def delete(self, key: str) -> None:
         """Remove ``key``; the removal is durable after the next :meth:`commit`."""
