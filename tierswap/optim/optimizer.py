@@ -10,6 +10,10 @@ memory beside the pipeline's buffers) step spread among the streamed ones, so th
 working while they step. Per-element math is independent across elements, and a parameter whose
 optimizer's math spans it (Muon, Adafactor) is never cut (both checked at construction), so
 stepping in slices is bitwise equal to stepping all at once.
+
+This class is the public face: construction, persistence and state dicts. How a step runs its
+slices (in ``step()``, in backward hooks, or into the next forward) is
+:class:`~tierswap.optim._stepper.Stepper`'s job.
 """
 
 from __future__ import annotations
