@@ -43,7 +43,7 @@ class JobBuffers:
         if self._host.free < nbytes:  # no room even without idle buffers: trim nothing
             return None
         claimed = self._pool.claim(sizes)
-        self._pool.trim(max(self._host.free - nbytes, 0))
+        self.trim_for(nbytes)
         if self._host.try_reserve(nbytes):
             return claimed
         self._pool.give_all(claimed)
@@ -90,7 +90,7 @@ class JobBuffers:
             for buffer in buffers:
                 self._pool.give(buffer)
             self._host.release(nbytes)
-            self._pool.trim(self._host.free)
+            self.trim_for(0)
             self._cv.notify_all()
 
     def forget(self, host_tensors: Iterable[torch.Tensor]) -> None:

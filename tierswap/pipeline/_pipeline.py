@@ -143,7 +143,7 @@ class Pipeline:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks. The work
         buffer comes first: reads started ahead would otherwise be dropped to make room for it."""
         jobs = list(jobs)
-        if self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=False):
+        if self._hold_work_buffer(jobs, wait=False):
             self._read_ahead(jobs)
 
     def _read_ahead(self, jobs: Sequence[Job]) -> None:
@@ -171,7 +171,7 @@ class Pipeline:
         With ``work_on_device``, the next job's copy to the device is issued before this job's
         work starts, so that it runs while this job works.
         """
-        self._hold_work_buffer(max((job.scratch for job in jobs), default=0), wait=True)
+        self._hold_work_buffer(jobs, wait=True)
         for position, job in enumerate(jobs):
             self._writes.raise_errors()
             tensors = self._acquire(job)
@@ -199,10 +199,12 @@ class Pipeline:
         buffer serves every job, one after the other: do not keep it past the work."""
         return self._buffers.work if job.scratch > 0 else None
 
-    def _hold_work_buffer(self, nbytes: int, *, wait: bool) -> bool:
-        """Hold a work buffer of ``nbytes`` or more, reserved in the host budget until
-        :meth:`evict` (a larger one replaces a smaller one); whether it is held. ``wait``:
-        make the room as a job's reads do, else only take room that is free now."""
+    def _hold_work_buffer(self, jobs: Sequence[Job], *, wait: bool) -> bool:
+        """Hold a work buffer for the largest ``Job.scratch`` of ``jobs``, reserved in the
+        host budget until :meth:`evict` (a larger one replaces a smaller one); whether it is
+        held. ``wait``: make the room as a job's reads do, else only take room that is free
+        now."""
+        nbytes = max((job.scratch for job in jobs), default=0)
         if nbytes <= self._buffers.work_bytes:
             return True
         with self._cv:
