@@ -15,7 +15,10 @@ the CPU, but torchao is no dependency of tierswap, importing it on a CPU-only to
 loudly fails) to load CUDA extensions, and ``quantize_8bit_with_qmap`` returns new tensors after
 eight gather passes with int64 temporaries the size of the input. Here one look-up in a table
 worked out once and a few integer passes write the same codes into the caller's array, tens of
-times faster (``bench/codec.py`` times each codec against an fp32 copy). Two
+times faster (``bench/codec.py`` times each codec against an fp32 copy). On the CPU the same
+arithmetic runs in C kernels (:mod:`~tierswap.optim.formats._native`), one pass per block,
+bit for bit what the torch ops below compute, which serve CUDA tensors and machines without a
+C compiler. Two
 deliberate differences: torchao floors the scale at ``1e-12``, which coarsens second moments
 whose block maximum is under ``1e-12`` (gradients under ``1e-6``), where this floor is the
 smallest normal fp32, there only to keep ``0 / 0`` out; and the last block may be partial
@@ -36,6 +39,7 @@ import torch
 
 from tierswap.errors import ConfigError, InvalidTensorError
 from tierswap.optim.formats._arrays import as_flat, out_or_new, piece_len, pieces, work_arrays
+from tierswap.optim.formats._native import codec8
 
 __all__ = [
     "BLOCK_SIZE",
@@ -182,6 +186,9 @@ def encode_8bit(
     n = src.numel()
     codes_out = out_or_new(codes, n, torch.uint8, "codes", src.device)
     absmax_out = out_or_new(absmax, num_blocks(n, block_size), torch.float32, "absmax", src.device)
+    if _on_cpu(src, codes_out, absmax_out) and (kernels := codec8()) is not None:
+        kernels.encode(src, _code_offsets(signed), codes_out, absmax_out, block_size)
+        return codes_out, absmax_out
     dtypes = (torch.float32, torch.int32, torch.int32)
     scaled, *scratch = work_arrays(min(n, piece_len(block_size)), src.device, *dtypes)
     for lo, hi in pieces(n, block_size):
@@ -215,6 +222,9 @@ def decode_8bit(
             f"values, not {scales.numel()}; slice both at the same block boundary"
         )
     dst = out_or_new(out, n, torch.float32, "out", src.device)
+    if _on_cpu(src, scales, dst) and (kernels := codec8()) is not None:
+        kernels.decode(src, scales, quantization_map(signed), dst, block_size)
+        return dst
     qmap = quantization_map(signed).to(src.device)
     (index,) = work_arrays(min(n, piece_len(block_size)), src.device, torch.int32)
     for lo, hi in pieces(n, block_size):
@@ -223,6 +233,11 @@ def decode_8bit(
         torch.index_select(qmap, 0, idx, out=dst[lo:hi])
         _block_mul(dst[lo:hi], scales[lo // block_size : num_blocks(hi, block_size)], block_size)
     return dst
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernels may take these tensors (they read raw host pointers)."""
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _blocks(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

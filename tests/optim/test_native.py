@@ -1,0 +1,182 @@
+"""The 8-bit codec's C kernels (tierswap.optim.formats._native): bit for bit the torch ops'
+results, built once per cache folder, and a clear fallback where they cannot be built."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierswap.optim.formats import _native, _quant8
+from tierswap.optim.formats._quant8 import decode_8bit, encode_8bit, num_blocks
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here"
+)
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty cache folder and no loaded kernels, restored afterwards."""
+    monkeypatch.setenv("TIERSWAP_CACHE_DIR", str(tmp_path))
+    _native.codec8.cache_clear()
+    yield tmp_path
+    _native.codec8.cache_clear()
+
+
+def _torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_quant8, "codec8", lambda: None)
+
+
+def _values(numel: int, *, signed: bool, seed: int) -> torch.Tensor:
+    """Moments over ten decades, with zeros, negative zeros and subnormals mixed in."""
+    gen = torch.Generator().manual_seed(seed)
+    decades = torch.empty(numel).uniform_(-8, 1, generator=gen)
+    x = torch.randn(numel, generator=gen) * torch.pow(10.0, decades)
+    specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45])
+    where = torch.randint(numel, (min(numel, 64),), generator=gen)
+    x[where] = specials[torch.arange(where.numel()) % specials.numel()]
+    return x if signed else x * x
+
+
+def _encode_both(
+    x: torch.Tensor, signed: bool, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    kernel = encode_8bit(x, signed=signed, block_size=block_size)
+    with monkeypatch.context() as mp:
+        _torch_ops(mp)
+        ops = encode_8bit(x, signed=signed, block_size=block_size)
+    return kernel, ops
+
+
+@needs_compiler
+def test_the_kernels_load_where_a_compiler_is() -> None:
+    assert _native.codec8() is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize(
+    ("numel", "block_size", "threads"),
+    [
+        (1, 256, 2),
+        (5 * 256 + 37, 256, 2),
+        (600 * 256 + 5, 256, 2),  # split over threads, partial last block
+        (600 * 256, 256, 3),  # a split that is not even
+        (700 * 256, 256, 1),
+        (40 * 2048 + 1000, 2048, 2),  # blocks longer than the kernel's division span
+        (3000, 64, 2),
+    ],
+)
+def test_kernels_match_the_torch_ops_bit_for_bit(
+    signed: bool, numel: int, block_size: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = _values(numel, signed=signed, seed=numel)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (codes, absmax), (ref_codes, ref_absmax) = _encode_both(x, signed, block_size, monkeypatch)
+        decoded = decode_8bit(codes, absmax, signed=signed, block_size=block_size)
+        with monkeypatch.context() as mp:
+            _torch_ops(mp)
+            ref_decoded = decode_8bit(codes, absmax, signed=signed, block_size=block_size)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(absmax.view(torch.int32), ref_absmax.view(torch.int32))
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(decoded.view(torch.int32), ref_decoded.view(torch.int32))
+
+
+@needs_compiler
+def test_kernels_write_into_views_of_larger_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _values(600 * 256, signed=True, seed=1)
+    codes = torch.full((2, x.numel()), 7, dtype=torch.uint8)
+    absmax = torch.full((2, num_blocks(x.numel())), 7.0)
+    encode_8bit(x, codes[1], absmax[1])
+    (ref_codes, ref_absmax), _ = _encode_both(x, True, 256, monkeypatch)
+    assert torch.equal(codes[1], ref_codes)
+    assert torch.equal(absmax[1], ref_absmax)
+    assert bool((codes[0] == 7).all())
+    assert bool((absmax[0] == 7.0).all())
+
+
+@needs_compiler
+def test_blocks_with_inf_or_nan_agree_where_finite_and_decode_non_finite(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = _values(8 * 256, signed=True, seed=2)
+    x[3], x[256 + 9], x[512 + 4], x[512 + 5] = math.inf, math.nan, -math.inf, math.nan
+    (codes, absmax), (ref_codes, ref_absmax) = _encode_both(x, True, 256, monkeypatch)
+    assert torch.equal(absmax.isnan(), ref_absmax.isnan())
+    finite = ref_absmax.isfinite()
+    assert torch.equal(absmax[finite], ref_absmax[finite])
+    every = finite.repeat_interleave(256)
+    assert torch.equal(codes[every], ref_codes[every])
+    decoded = decode_8bit(codes, absmax)
+    assert not bool(decoded[:768].view(3, 256).isfinite().all(dim=1).any())
+    assert bool(decoded[:256].isnan().any())
+    assert bool(decoded[256:512].isnan().all())
+    assert bool(decoded[768:].isfinite().all())
+
+
+def test_native_off_leaves_the_torch_ops(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERSWAP_NATIVE", "0")
+    assert _native.codec8() is None
+    assert list(fresh_build.iterdir()) == []
+
+
+def test_a_failed_build_warns_once_falls_back_and_leaves_no_files(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="could not build its 8-bit codec kernels"):
+        assert _native.codec8() is None
+    assert _native.codec8() is None  # cached: no second warning (warnings are errors here)
+    x = _values(3 * 256, signed=True, seed=3)
+    codes, absmax = encode_8bit(x)
+    assert torch.equal(decode_8bit(codes, absmax), decode_8bit(codes, absmax))
+    assert [p.name for p in fresh_build.iterdir()] == []
+
+
+@needs_compiler
+def test_a_compiler_error_is_reported_and_leaves_no_files(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "cc -DTIERSWAP_BROKEN=1 -include /nonexistent/header.h")
+    with pytest.warns(RuntimeWarning, match="error"):
+        assert _native.codec8() is None
+    assert list(fresh_build.iterdir()) == []
+
+
+@needs_compiler
+def test_builds_once_per_cache_folder_and_concurrent_builds_publish_whole_files(
+    fresh_build: Path,
+) -> None:
+    target = _native.library_path()
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            _native.build(target)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in fresh_build.iterdir()] == [target.name]
+    assert _native.codec8() is not None
+    built = target.stat().st_mtime_ns
+    _native.codec8.cache_clear()
+    assert _native.codec8() is not None
+    assert target.stat().st_mtime_ns == built  # loaded, not rebuilt

@@ -1,0 +1,146 @@
+"""The 8-bit codec's C kernels (``_codec8.c``): built once per machine, loaded with ctypes.
+
+Why C: torch's eager ops take a dozen passes over each piece for the encoder and single-thread
+their gathers, so on the CPU the 8-bit step was bound by its codec (``bench/codec.py``). The
+kernels do the same arithmetic in one pass per block, bit for bit (the tests compare both), on
+up to ``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
+
+Built on first use with the system's C compiler (``$CC``, else the one Python was built with,
+else ``cc``) into ``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or
+``~/.cache/tierswap``), under a name that hashes the source, the compiler and the flags, and
+published with an atomic rename, so ranks that build at once each get a whole file. Where no
+compiler works, one :class:`RuntimeWarning` says so and the codec stays on torch's ops (and
+CUDA tensors always do). ``TIERSWAP_NATIVE=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["Codec8", "build", "build_command", "cache_dir", "codec8", "library_path"]
+
+_SOURCE = Path(__file__).with_name("_codec8.c")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+_BUILD_SECONDS = 120
+
+
+class Codec8:
+    """The loaded kernels; arguments are checked by the caller (``_quant8``), which passes
+    contiguous CPU tensors of the right dtypes and sizes: the kernels trust them."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._encode = lib.tierswap_encode_8bit
+        self._encode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, c_int]
+        self._encode.restype = None
+        self._decode = lib.tierswap_decode_8bit
+        self._decode.argtypes = [ptr, ptr, i64, i64, ptr, ptr, c_int]
+        self._decode.restype = None
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        codes: torch.Tensor,
+        absmax: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """``codes`` and ``absmax`` of flat fp32 ``x`` (``offsets``: ``_code_offsets``)."""
+        threads = torch.get_num_threads()
+        self._encode(
+            x.data_ptr(), x.numel(), block_size, offsets.data_ptr(), codes.data_ptr(),
+            absmax.data_ptr(), threads,
+        )  # fmt: skip
+
+    def decode(
+        self,
+        codes: torch.Tensor,
+        absmax: torch.Tensor,
+        qmap: torch.Tensor,
+        out: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """fp32 values of ``codes`` and ``absmax`` under the 256-entry ``qmap`` into ``out``."""
+        threads = torch.get_num_threads()
+        self._decode(
+            codes.data_ptr(), absmax.data_ptr(), codes.numel(), block_size, qmap.data_ptr(),
+            out.data_ptr(), threads,
+        )  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (see the module docstring)."""
+    if folder := os.environ.get("TIERSWAP_CACHE_DIR"):
+        return Path(folder)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tierswap"
+
+
+def build_command(output: Path) -> list[str]:
+    """The compiler command that builds ``_codec8.c`` into ``output``."""
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return [*shlex.split(compiler), *_FLAGS, "-o", str(output), str(_SOURCE)]
+
+
+def library_path() -> Path:
+    """The built kernels' file for this source, compiler, flags and machine."""
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    key.update(repr((build_command(Path("out")), platform.machine())).encode())
+    return cache_dir() / f"codec8-{key.hexdigest()[:16]}.so"
+
+
+def build(target: Path) -> None:
+    """Compiles into a temporary file beside ``target`` and renames it into place (whole or
+    not at all; the temporary file is removed either way)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            build_command(Path(name)),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_SECONDS,
+        )
+        if done.returncode:
+            lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+            raise OSError(next((line for line in lines if "error" in line), lines[-1]))
+        os.replace(name, target)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+@functools.cache
+def codec8() -> Codec8 | None:
+    """The kernels, built if need be; ``None`` (after one warning) where they cannot be, or
+    where ``TIERSWAP_NATIVE=0``."""
+    if os.environ.get("TIERSWAP_NATIVE", "1") == "0":
+        return None
+    target = library_path()
+    try:
+        if not target.exists():
+            build(target)
+        return Codec8(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        warnings.warn(
+            f"tierswap could not build its 8-bit codec kernels ({' '.join(build_command(target))}"
+            f": {exc or type(exc).__name__}); state_precision='8bit' runs on torch's ops, "
+            "about 3x slower on the CPU. Install a C compiler (or set CC), or set "
+            "TIERSWAP_NATIVE=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
