@@ -62,23 +62,23 @@ def test_the_kernels_load_where_a_compiler_is() -> None:
 @needs_compiler
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize(
-    ("numel", "block_size", "threads"),
+    ("numel", "block_size", "torch_threads"),
     [
-        (1, 256, 2),
-        (5 * 256 + 37, 256, 2),
-        (600 * 256 + 5, 256, 2),  # split over threads, partial last block
-        (600 * 256, 256, 3),  # a split that is not even
+        (1, 256, 4),
+        (5 * 256 + 37, 256, 4),
+        (600 * 256 + 5, 256, 4),  # split over two kernel threads, partial last block
+        (800 * 256 + 77, 256, 6),  # three, of unequal length
         (700 * 256, 256, 1),
-        (40 * 2048 + 1000, 2048, 2),  # blocks longer than the kernel's division span
-        (3000, 64, 2),
+        (40 * 2048 + 1000, 2048, 4),  # blocks longer than the kernel's division span
+        (3000, 64, 4),
     ],
 )
 def test_kernels_match_the_torch_ops_bit_for_bit(
-    signed: bool, numel: int, block_size: int, threads: int, monkeypatch: pytest.MonkeyPatch
+    signed: bool, numel: int, block_size: int, torch_threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = _values(numel, signed=signed, seed=numel)
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(torch_threads)  # the kernels take half
     try:
         (codes, absmax), (ref_codes, ref_absmax) = _encode_both(x, signed, block_size, monkeypatch)
         decoded = decode_8bit(codes, absmax, signed=signed, block_size=block_size)

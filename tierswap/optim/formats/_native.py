@@ -3,7 +3,7 @@
 Why C: torch's eager ops take a dozen passes over each piece for the encoder and single-thread
 their gathers, so on the CPU the 8-bit step was bound by its codec (``bench/codec.py``). The
 kernels do the same arithmetic in one pass per block, bit for bit (the tests compare both), on
-up to ``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
+half of ``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
 
 Built on first use with the system's C compiler (``$CC``, else the one Python was built with,
 else ``cc``) into ``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or
@@ -58,7 +58,7 @@ class Codec8:
         block_size: int,
     ) -> None:
         """``codes`` and ``absmax`` of flat fp32 ``x`` (``offsets``: ``_code_offsets``)."""
-        threads = torch.get_num_threads()
+        threads = _threads()
         self._encode(
             x.data_ptr(), x.numel(), block_size, offsets.data_ptr(), codes.data_ptr(),
             absmax.data_ptr(), threads,
@@ -73,11 +73,18 @@ class Codec8:
         block_size: int,
     ) -> None:
         """fp32 values of ``codes`` and ``absmax`` under the 256-entry ``qmap`` into ``out``."""
-        threads = torch.get_num_threads()
+        threads = _threads()
         self._decode(
             codes.data_ptr(), absmax.data_ptr(), codes.numel(), block_size, qmap.data_ptr(),
             out.data_ptr(), threads,
         )  # fmt: skip
+
+
+def _threads() -> int:
+    """Half of torch's threads: the step's I/O threads need the rest. On the 2-core VM one
+    thread streamed the 8-bit e2e step 8-12% faster than two, whose caller waited on the
+    share of a thread that found no free core (``docs/benchmarks.md``)."""
+    return max(1, torch.get_num_threads() // 2)
 
 
 def cache_dir() -> Path:
