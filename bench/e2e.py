@@ -11,6 +11,7 @@ rounds interleaved so that machine load hits them alike; the figure is the media
 
   ram           torch.optim.AdamW, all state in RAM
   <mode>        tierswap.SwapOptimizer(..., host_budget="128MiB", **MODES[mode]), see MODES
+                (and MODE_ENV, the environment some modes add)
   ds-default    DeepSpeed ZeRO-3, optimizer state offloaded to NVMe, buffer_count 4
   ds-pipelined  the same with pipeline_read / pipeline_write and buffer_count 12
 
@@ -81,6 +82,14 @@ MODES: dict[str, dict[str, Any]] = {
     "fused": {"fused": True},
     "bf16-fused": {"state_precision": "bf16", "fused": True},
     "8bit-fused": {"state_precision": "8bit", "fused": True},
+    # the 8-bit codec on torch's ops instead of its C kernels (MODE_ENV), to compare them
+    "8bit-ops": {"state_precision": "8bit"},
+    "8bit-fused-ops": {"state_precision": "8bit", "fused": True},
+}
+#: Environment variables a mode's process gets on top of this one's.
+MODE_ENV: dict[str, dict[str, str]] = {
+    "8bit-ops": {"TIERSWAP_NATIVE": "0"},
+    "8bit-fused-ops": {"TIERSWAP_NATIVE": "0"},
 }
 #: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
 DEEPSPEED: dict[str, dict[str, Any]] = {
@@ -132,6 +141,7 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
         return [sys.executable, str(CHILD), "--config", "ram", *common], env
     if config in MODES:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.update(MODE_ENV.get(config, {}))
         options = ["--options", json.dumps(MODES[config]), "--host-budget", str(args.host_budget)]
         return [sys.executable, str(CHILD), "--config", "tierswap", *options, *common], env
     env.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -145,6 +145,17 @@ def test_a_failed_build_warns_once_falls_back_and_leaves_no_files(
     assert [p.name for p in fresh_build.iterdir()] == []
 
 
+def test_a_cache_folder_that_cannot_be_made_falls_back(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = fresh_build / "a-file"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("TIERSWAP_CACHE_DIR", str(blocker / "kernels"))
+    with pytest.warns(RuntimeWarning, match=r"Errno \d+"):
+        assert _native.codec8() is None
+    assert [p.name for p in fresh_build.iterdir()] == ["a-file"]
+
+
 @needs_compiler
 def test_a_compiler_error_is_reported_and_leaves_no_files(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch

@@ -145,8 +145,8 @@ def codec8() -> Codec8 | None:
         warnings.warn(
             f"tierswap could not build its 8-bit codec kernels ({' '.join(build_command(target))}"
             f": {exc or type(exc).__name__}); state_precision='8bit' runs on torch's ops, "
-            "about 3x slower on the CPU. Install a C compiler (or set CC), or set "
-            "TIERSWAP_NATIVE=0 to silence this.",
+            "about 3x slower on the CPU. Install a C compiler (or set CC), point "
+            "TIERSWAP_CACHE_DIR at a writable folder, or set TIERSWAP_NATIVE=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
         )
