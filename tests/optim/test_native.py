@@ -191,3 +191,13 @@ def test_builds_once_per_cache_folder_and_concurrent_builds_publish_whole_files(
     _native.codec8.cache_clear()
     assert _native.codec8() is not None
     assert target.stat().st_mtime_ns == built  # loaded, not rebuilt
+
+
+def test_the_compiler_is_cc_when_python_was_built_with_one_this_machine_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(_native.sysconfig, "get_config_var", lambda name: "no-such-cc -pthread")
+    assert _native.build_command(Path("out"))[0] == "cc"
+    monkeypatch.setenv("CC", "my-cc --flag")
+    assert _native.build_command(Path("out"))[:2] == ["my-cc", "--flag"]

@@ -5,12 +5,12 @@ their gathers, so on the CPU the 8-bit step was bound by its codec (``bench/code
 kernels do the same arithmetic in one pass per block, bit for bit (the tests compare both), on
 half of ``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
 
-Built on first use with the system's C compiler (``$CC``, else the one Python was built with,
-else ``cc``) into ``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or
-``~/.cache/tierswap``), under a name that hashes the source, the compiler and the flags, and
-published with an atomic rename, so ranks that build at once each get a whole file. Where no
-compiler works, one :class:`RuntimeWarning` says so and the codec stays on torch's ops (and
-CUDA tensors always do). ``TIERSWAP_NATIVE=0`` turns the kernels off.
+Built on first use with the system's C compiler (:func:`build_command`) into
+``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or ``~/.cache/tierswap``), under
+a name that hashes the source, the compiler and the flags, and published with an atomic
+rename, so ranks that build at once each get a whole file. Where no compiler works, one
+:class:`RuntimeWarning` says so and the codec stays on torch's ops (and CUDA tensors always
+do). ``TIERSWAP_NATIVE=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import hashlib
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -96,8 +97,13 @@ def cache_dir() -> Path:
 
 
 def build_command(output: Path) -> list[str]:
-    """The compiler command that builds ``_codec8.c`` into ``output``."""
-    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    """The compiler command that builds ``_codec8.c`` into ``output``: ``$CC`` when set, else
+    the compiler Python was built with if it is on this machine (a conda build names one that
+    often is not), else ``cc``."""
+    compiler = os.environ.get("CC")
+    if not compiler:
+        built_with = shlex.split(sysconfig.get_config_var("CC") or "")
+        compiler = shlex.join(built_with) if built_with and shutil.which(built_with[0]) else "cc"
     return [*shlex.split(compiler), *_FLAGS, "-o", str(output), str(_SOURCE)]
 
 
