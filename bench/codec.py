@@ -7,14 +7,17 @@ Times, on one slice of ``--numel`` fp32 moments (Adam-like magnitudes: ``randn *
 the signed ``exp_avg``, its square for the unsigned ``exp_avg_sq``), each codec of
 :mod:`tierswap.optim.formats` writing into preallocated arrays, as the optimizer's slice step
 calls it: ``bf16`` encode (round to nearest even) and decode, ``8bit`` encode and decode
-with the signed and the unsigned map. The reference is ``out.copy_(x)`` between two fp32
+with the signed and the unsigned map, and a master's ``split`` into a bf16 parameter and a
+remainder and their ``join``. The reference is ``out.copy_(x)`` between two fp32
 arrays of the same length, the least a pass over the slice costs. Every figure is the best
 of ``--rounds`` rounds, the codecs interleaved within each round so that machine load hits
 them alike; the ratio to the copy is measured in the same run.
 
 ``--step`` also times a whole ``SwapOptimizer`` step per parameter (AdamW, four 2048 x 2048
-fp32 weights, every slice resident in host memory, so no disk I/O) for each
-``state_precision``: what the codec adds to torch's kernel. Results go to stdout as a table.
+weights, every slice resident in host memory, so no disk I/O) for each entry of ``STEPS``
+(each ``state_precision`` on fp32 weights; bf16 weights with fp32 masters and with
+remainders): what the formats add to torch's kernel. Results go to stdout as a table.
+``TIERSWAP_NATIVE=0`` times the formats' torch ops instead of their C kernels.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def _codecs(numel: int) -> dict[str, Callable[[], object]]:
     absmax = torch.empty(formats.num_blocks(numel))
     ucodes = torch.empty_like(codes)
     uabsmax = torch.empty_like(absmax)
+    remainder = torch.empty(numel, dtype=torch.int16)
+    formats.split(signed, half, remainder)
     formats.encode_bf16(signed, half)
     formats.encode_8bit(signed, codes, absmax, signed=True)
     formats.encode_8bit(unsigned, ucodes, uabsmax, signed=False)
@@ -59,6 +64,8 @@ def _codecs(numel: int) -> dict[str, Callable[[], object]]:
             unsigned, ucodes, uabsmax, signed=False
         ),
         "8bit decode unsigned": lambda: formats.decode_8bit(ucodes, uabsmax, out, signed=False),
+        "remainder split": lambda: formats.split(signed, half, remainder),
+        "remainder join": lambda: formats.join(half, remainder, out),
     }
 
 
@@ -77,16 +84,29 @@ def _best(
     return best
 
 
-def _step_fns(precisions: list[str]) -> tuple[dict[str, Callable[[], object]], int, list[object]]:
+#: Resident steps timed by --step: name -> (parameter dtype, SwapOptimizer options).
+STEPS: dict[str, tuple[torch.dtype, dict[str, str]]] = {
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.float32, {"state_precision": "bf16"}),
+    "8bit": (torch.float32, {"state_precision": "8bit"}),
+    "bf16 params, fp32 master": (torch.bfloat16, {}),
+    "bf16 params, remainder": (torch.bfloat16, {"master": "remainder"}),
+}
+
+
+def _step_fns(
+    names: list[str], folder: Path
+) -> tuple[dict[str, Callable[[], object]], int, list[object]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(4)])
     fns: dict[str, Callable[[], object]] = {}
     opts: list[object] = []
-    for precision in precisions:
-        copy_ = copy.deepcopy(model)
+    for i, name in enumerate(names):
+        dtype, options = STEPS[name]
+        copy_ = copy.deepcopy(model).to(dtype)
         opt = ts.SwapOptimizer(
-            copy_.parameters(), torch.optim.AdamW, lr=1e-4, swap_dir=tempfile.mkdtemp(),
-            commit_every=0, state_precision=precision,
+            copy_.parameters(), torch.optim.AdamW, lr=1e-4, swap_dir=folder / f"step{i}",
+            commit_every=0, **options,
         )  # fmt: skip
         for p in copy_.parameters():
             p.grad = torch.randn_like(p) * 1e-3
@@ -96,7 +116,7 @@ def _step_fns(precisions: list[str]) -> tuple[dict[str, Callable[[], object]], i
             opt.step()
             opt.synchronize()
 
-        fns[f"step {precision}"] = step
+        fns[f"step {name}"] = step
         opts.append(opt)
     return fns, sum(p.numel() for p in model.parameters()), opts
 
@@ -128,14 +148,15 @@ def main() -> None:
         ns = seconds / args.numel * 1e9
         print(f"{name:24s} {ns:10.3f} {ns / copy_ns:12.2f}")
     if args.step:
-        fns, numel, opts = _step_fns(["fp32", "bf16", "8bit"])
-        steps = _best(fns, args.rounds, clock)
+        with tempfile.TemporaryDirectory(prefix="tierswap-codec-") as folder:
+            fns, numel, opts = _step_fns(list(STEPS), Path(folder))
+            steps = _best(fns, args.rounds, clock)
+            for opt in opts:
+                opt.close()  # type: ignore[attr-defined]
         fp32 = steps["step fp32"]
-        print(f"{'AdamW step, resident':24s} {'ns/param':>10s} {'x fp32 step':>12s}")
+        print(f"{'AdamW step, resident':32s} {'ns/param':>10s} {'x fp32 step':>12s}")
         for name, seconds in steps.items():
-            print(f"{name:24s} {seconds / numel * 1e9:10.3f} {seconds / fp32:12.2f}")
-        for opt in opts:
-            opt.close()  # type: ignore[attr-defined]
+            print(f"{name:32s} {seconds / numel * 1e9:10.3f} {seconds / fp32:12.2f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The 8-bit codec's C kernels (tierswap.optim.formats._native): bit for bit the torch ops'
-results, built once per cache folder, and a clear fallback where they cannot be built."""
+"""The compact formats' C kernels (tierswap.optim.formats._native): bit for bit the torch ops'
+results (8-bit codec, master remainders), built once per cache folder, and a clear fallback
+where they cannot be built."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierswap.optim.formats import _native, _quant8
+from tierswap.optim.formats import _native
 from tierswap.optim.formats._quant8 import decode_8bit, encode_8bit, num_blocks
+from tierswap.optim.formats._remainder import join, round_half_up_bf16, split
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here"
@@ -24,13 +26,13 @@ needs_compiler = pytest.mark.skipif(
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty cache folder and no loaded kernels, restored afterwards."""
     monkeypatch.setenv("TIERSWAP_CACHE_DIR", str(tmp_path))
-    _native.codec8.cache_clear()
+    _native.kernels.cache_clear()
     yield tmp_path
-    _native.codec8.cache_clear()
+    _native.kernels.cache_clear()
 
 
 def _torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_quant8, "codec8", lambda: None)
+    monkeypatch.setattr(_native, "kernels", lambda: None)
 
 
 def _values(numel: int, *, signed: bool, seed: int) -> torch.Tensor:
@@ -56,7 +58,7 @@ def _encode_both(
 
 @needs_compiler
 def test_the_kernels_load_where_a_compiler_is() -> None:
-    assert _native.codec8() is not None
+    assert _native.kernels() is not None
 
 
 @needs_compiler
@@ -124,11 +126,51 @@ def test_blocks_with_inf_or_nan_agree_where_finite_and_decode_non_finite(
     assert bool(decoded[768:].isfinite().all())
 
 
+def _master_bits(torch_threads: int) -> torch.Tensor:
+    """fp32 masters: every lower half under several upper halves (zero, subnormal, normal,
+    the largest finite, inf, NaN, both signs), then random bits, enough to split over
+    ``torch_threads // 2`` kernel threads."""
+    uppers = [0x0000, 0x0001, 0x3F80, 0x3F81, 0x7F7F, 0x7F80, 0x7FC0, 0x7FFF]
+    uppers += [u | 0x8000 for u in uppers]
+    low = torch.arange(1 << 16, dtype=torch.int64)
+    grid = torch.cat([(u << 16) | low for u in uppers])
+    randoms = torch.randint(0, 1 << 32, (70_001 * torch_threads,), dtype=torch.int64)
+    bits = torch.cat([grid, randoms])
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("torch_threads", [1, 4, 6])
+def test_remainder_kernels_match_the_torch_ops_bit_for_bit(
+    torch_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master = _master_bits(torch_threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        param, remainder = split(master)
+        joined = join(param, remainder)
+        rounded = round_half_up_bf16(master)
+        with monkeypatch.context() as mp:
+            _torch_ops(mp)
+            ref_param, ref_remainder = split(master)
+            ref_joined = join(ref_param, ref_remainder)
+            ref_rounded = round_half_up_bf16(master)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(param.view(torch.int16), ref_param.view(torch.int16))
+    assert torch.equal(remainder, ref_remainder)
+    assert torch.equal(rounded.view(torch.int16), ref_rounded.view(torch.int16))
+    assert torch.equal(joined.view(torch.int32), ref_joined.view(torch.int32))
+    not_nan = ~master.isnan()
+    assert torch.equal(joined.view(torch.int32)[not_nan], master.view(torch.int32)[not_nan])
+
+
 def test_native_off_leaves_the_torch_ops(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TIERSWAP_NATIVE", "0")
-    assert _native.codec8() is None
+    assert _native.kernels() is None
     assert list(fresh_build.iterdir()) == []
 
 
@@ -136,9 +178,9 @@ def test_a_failed_build_warns_once_falls_back_and_leaves_no_files(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
-    with pytest.warns(RuntimeWarning, match="could not build its 8-bit codec kernels"):
-        assert _native.codec8() is None
-    assert _native.codec8() is None  # cached: no second warning (warnings are errors here)
+    with pytest.warns(RuntimeWarning, match="could not build its C kernels"):
+        assert _native.kernels() is None
+    assert _native.kernels() is None  # cached: no second warning (warnings are errors here)
     x = _values(3 * 256, signed=True, seed=3)
     codes, absmax = encode_8bit(x)
     assert torch.equal(decode_8bit(codes, absmax), decode_8bit(codes, absmax))
@@ -152,7 +194,7 @@ def test_a_cache_folder_that_cannot_be_made_falls_back(
     blocker.write_bytes(b"")
     monkeypatch.setenv("TIERSWAP_CACHE_DIR", str(blocker / "kernels"))
     with pytest.warns(RuntimeWarning, match=r"Errno \d+"):
-        assert _native.codec8() is None
+        assert _native.kernels() is None
     assert [p.name for p in fresh_build.iterdir()] == ["a-file"]
 
 
@@ -162,7 +204,7 @@ def test_a_compiler_error_is_reported_and_leaves_no_files(
 ) -> None:
     monkeypatch.setenv("CC", "cc -DTIERSWAP_BROKEN=1 -include /nonexistent/header.h")
     with pytest.warns(RuntimeWarning, match="error"):
-        assert _native.codec8() is None
+        assert _native.kernels() is None
     assert list(fresh_build.iterdir()) == []
 
 
@@ -186,10 +228,10 @@ def test_builds_once_per_cache_folder_and_concurrent_builds_publish_whole_files(
         t.join()
     assert errors == []
     assert [p.name for p in fresh_build.iterdir()] == [target.name]
-    assert _native.codec8() is not None
+    assert _native.kernels() is not None
     built = target.stat().st_mtime_ns
-    _native.codec8.cache_clear()
-    assert _native.codec8() is not None
+    _native.kernels.cache_clear()
+    assert _native.kernels() is not None
     assert target.stat().st_mtime_ns == built  # loaded, not rebuilt
 
 

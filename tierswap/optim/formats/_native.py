@@ -1,15 +1,16 @@
-"""The 8-bit codec's C kernels (``_codec8.c``): built once per machine, loaded with ctypes.
+"""The compact formats' C kernels (``_kernels.c``): built once per machine, loaded with ctypes.
 
-Why C: torch's eager ops take a dozen passes over each piece for the encoder and single-thread
-their gathers, so on the CPU the 8-bit step was bound by its codec (``bench/codec.py``). The
-kernels do the same arithmetic in one pass per block, bit for bit (the tests compare both), on
-half of ``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
+Why C: torch's eager ops take a dozen passes over each piece for the 8-bit encoder and
+single-thread their gathers, and split a master into remainders through strided int16 views,
+so on the CPU the compact step was bound by its codec (``bench/codec.py``). The kernels do the
+same arithmetic in one pass, bit for bit (the tests compare both), on half of
+``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
 
 Built on first use with the system's C compiler (:func:`build_command`) into
 ``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or ``~/.cache/tierswap``), under
 a name that hashes the source, the compiler and the flags, and published with an atomic
 rename, so ranks that build at once each get a whole file. Where no compiler works, one
-:class:`RuntimeWarning` says so and the codec stays on torch's ops (and CUDA tensors always
+:class:`RuntimeWarning` says so and the formats stay on torch's ops (and CUDA tensors always
 do). ``TIERSWAP_NATIVE=0`` turns the kernels off.
 """
 
@@ -27,30 +28,44 @@ import sysconfig
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["Codec8", "build", "build_command", "cache_dir", "codec8", "library_path"]
+__all__ = [
+    "Kernels",
+    "build",
+    "build_command",
+    "cache_dir",
+    "for_tensors",
+    "kernels",
+    "library_path",
+]
 
-_SOURCE = Path(__file__).with_name("_codec8.c")
+_SOURCE = Path(__file__).with_name("_kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 _BUILD_SECONDS = 120
 
 
-class Codec8:
-    """The loaded kernels; arguments are checked by the caller (``_quant8``), which passes
-    contiguous CPU tensors of the right dtypes and sizes: the kernels trust them."""
+class Kernels:
+    """The loaded kernels. The callers (``_quant8``, ``_remainder``) check the arguments and
+    pass contiguous CPU tensors of the right dtypes and sizes: the kernels trust them."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._encode = lib.tierswap_encode_8bit
-        self._encode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, c_int]
-        self._encode.restype = None
-        self._decode = lib.tierswap_decode_8bit
-        self._decode.argtypes = [ptr, ptr, i64, i64, ptr, ptr, c_int]
-        self._decode.restype = None
+        signatures = {
+            "tierswap_encode_8bit": [ptr, i64, i64, ptr, ptr, ptr, c_int],
+            "tierswap_decode_8bit": [ptr, ptr, i64, i64, ptr, ptr, c_int],
+            "tierswap_split": [ptr, i64, ptr, ptr, c_int],
+            "tierswap_join": [ptr, ptr, i64, ptr, c_int],
+        }
+        self._fns: dict[str, Any] = {}
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._fns[name] = fn
 
-    def encode(
+    def encode_8bit(
         self,
         x: torch.Tensor,
         offsets: torch.Tensor,
@@ -59,13 +74,12 @@ class Codec8:
         block_size: int,
     ) -> None:
         """``codes`` and ``absmax`` of flat fp32 ``x`` (``offsets``: ``_code_offsets``)."""
-        threads = _threads()
-        self._encode(
+        self._fns["tierswap_encode_8bit"](
             x.data_ptr(), x.numel(), block_size, offsets.data_ptr(), codes.data_ptr(),
-            absmax.data_ptr(), threads,
+            absmax.data_ptr(), _threads(),
         )  # fmt: skip
 
-    def decode(
+    def decode_8bit(
         self,
         codes: torch.Tensor,
         absmax: torch.Tensor,
@@ -74,16 +88,31 @@ class Codec8:
         block_size: int,
     ) -> None:
         """fp32 values of ``codes`` and ``absmax`` under the 256-entry ``qmap`` into ``out``."""
-        threads = _threads()
-        self._decode(
+        self._fns["tierswap_decode_8bit"](
             codes.data_ptr(), absmax.data_ptr(), codes.numel(), block_size, qmap.data_ptr(),
-            out.data_ptr(), threads,
+            out.data_ptr(), _threads(),
         )  # fmt: skip
+
+    def split(
+        self, master: torch.Tensor, param_bits: torch.Tensor, remainder: torch.Tensor | None
+    ) -> None:
+        """bf16 bits of fp32 ``master`` rounded half up into int16 ``param_bits``, and its
+        lower halves into int16 ``remainder`` when given."""
+        rem = 0 if remainder is None else remainder.data_ptr()
+        self._fns["tierswap_split"](
+            master.data_ptr(), master.numel(), param_bits.data_ptr(), rem, _threads()
+        )
+
+    def join(self, param_bits: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> None:
+        """fp32 ``out`` with bits ``(param_bits << 16) + remainder``."""
+        self._fns["tierswap_join"](
+            param_bits.data_ptr(), remainder.data_ptr(), out.numel(), out.data_ptr(), _threads()
+        )
 
 
 def _threads() -> int:
     """Half of torch's threads: the step's I/O threads need the rest. On the 2-core VM one
-    thread streamed the 8-bit e2e step 8-12% faster than two, whose caller waited on the
+    kernel thread streamed the 8-bit e2e step 8-12% faster than two, whose caller waited on the
     share of a thread that found no free core (``docs/benchmarks.md``)."""
     return max(1, torch.get_num_threads() // 2)
 
@@ -97,7 +126,7 @@ def cache_dir() -> Path:
 
 
 def build_command(output: Path) -> list[str]:
-    """The compiler command that builds ``_codec8.c`` into ``output``: ``$CC`` when set, else
+    """The compiler command that builds ``_kernels.c`` into ``output``: ``$CC`` when set, else
     the compiler Python was built with if it is on this machine (a conda build names one that
     often is not), else ``cc``."""
     compiler = os.environ.get("CC")
@@ -111,7 +140,7 @@ def library_path() -> Path:
     """The built kernels' file for this source, compiler, flags and machine."""
     key = hashlib.sha256(_SOURCE.read_bytes())
     key.update(repr((build_command(Path("out")), platform.machine())).encode())
-    return cache_dir() / f"codec8-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
 
 
 def build(target: Path) -> None:
@@ -137,7 +166,7 @@ def build(target: Path) -> None:
 
 
 @functools.cache
-def codec8() -> Codec8 | None:
+def kernels() -> Kernels | None:
     """The kernels, built if need be; ``None`` (after one warning) where they cannot be, or
     where ``TIERSWAP_NATIVE=0``."""
     if os.environ.get("TIERSWAP_NATIVE", "1") == "0":
@@ -146,14 +175,20 @@ def codec8() -> Codec8 | None:
     try:
         if not target.exists():
             build(target)
-        return Codec8(ctypes.CDLL(str(target)))
+        return Kernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         warnings.warn(
-            f"tierswap could not build its 8-bit codec kernels ({' '.join(build_command(target))}"
-            f": {exc or type(exc).__name__}); state_precision='8bit' runs on torch's ops, "
-            "about 3x slower on the CPU. Install a C compiler (or set CC), point "
+            f"tierswap could not build its C kernels ({' '.join(build_command(target))}: "
+            f"{exc or type(exc).__name__}); state_precision='8bit' and master='remainder' run "
+            "on torch's ops, 2-4x slower on the CPU. Install a C compiler (or set CC), point "
             "TIERSWAP_CACHE_DIR at a writable folder, or set TIERSWAP_NATIVE=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
+
+
+def for_tensors(*tensors: torch.Tensor) -> Kernels | None:
+    """The kernels where they may take these tensors (they read raw host pointers): all on
+    the CPU; ``None`` otherwise, or where :func:`kernels` is."""
+    return kernels() if all(t.device.type == "cpu" for t in tensors) else None

@@ -39,7 +39,7 @@ import torch
 
 from tierswap.errors import ConfigError, InvalidTensorError
 from tierswap.optim.formats._arrays import as_flat, out_or_new, piece_len, pieces, work_arrays
-from tierswap.optim.formats._native import codec8
+from tierswap.optim.formats._native import for_tensors
 
 __all__ = [
     "BLOCK_SIZE",
@@ -186,8 +186,8 @@ def encode_8bit(
     n = src.numel()
     codes_out = out_or_new(codes, n, torch.uint8, "codes", src.device)
     absmax_out = out_or_new(absmax, num_blocks(n, block_size), torch.float32, "absmax", src.device)
-    if _on_cpu(src, codes_out, absmax_out) and (kernels := codec8()) is not None:
-        kernels.encode(src, _code_offsets(signed), codes_out, absmax_out, block_size)
+    if (native := for_tensors(src, codes_out, absmax_out)) is not None:
+        native.encode_8bit(src, _code_offsets(signed), codes_out, absmax_out, block_size)
         return codes_out, absmax_out
     dtypes = (torch.float32, torch.int32, torch.int32)
     scaled, *scratch = work_arrays(min(n, piece_len(block_size)), src.device, *dtypes)
@@ -222,8 +222,8 @@ def decode_8bit(
             f"values, not {scales.numel()}; slice both at the same block boundary"
         )
     dst = out_or_new(out, n, torch.float32, "out", src.device)
-    if _on_cpu(src, scales, dst) and (kernels := codec8()) is not None:
-        kernels.decode(src, scales, quantization_map(signed), dst, block_size)
+    if (native := for_tensors(src, scales, dst)) is not None:
+        native.decode_8bit(src, scales, quantization_map(signed), dst, block_size)
         return dst
     qmap = quantization_map(signed).to(src.device)
     (index,) = work_arrays(min(n, piece_len(block_size)), src.device, torch.int32)
@@ -233,11 +233,6 @@ def decode_8bit(
         torch.index_select(qmap, 0, idx, out=dst[lo:hi])
         _block_mul(dst[lo:hi], scales[lo // block_size : num_blocks(hi, block_size)], block_size)
     return dst
-
-
-def _on_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether the C kernels may take these tensors (they read raw host pointers)."""
-    return all(t.device.type == "cpu" for t in tensors)
 
 
 def _blocks(t: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

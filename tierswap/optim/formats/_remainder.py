@@ -12,7 +12,9 @@ even, where it is one bf16 step further from zero.
 :func:`join` of :func:`split` gives the master back bit for bit for every fp32 that is not
 NaN: finite values (subnormals, ``-0.0`` included), ``±inf`` (remainder 0), and finite values
 above the largest bf16 (a parameter of ``±inf``, as torch's cast gives, and the master intact).
-A NaN master gives a NaN parameter and joins to a NaN, its payload not always kept.
+A NaN master gives a NaN parameter and joins to a NaN, its payload not always kept. On the
+CPU both run in C kernels (:mod:`~tierswap.optim.formats._native`), bit for bit the torch ops
+below, which serve CUDA tensors and machines without a C compiler.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tierswap.optim.formats._arrays import (
     pieces,
     work_arrays,
 )
+from tierswap.optim.formats._native import for_tensors
 
 __all__ = ["join", "round_half_up_bf16", "split"]
 
@@ -67,6 +70,10 @@ def _split_bits(
     """``param_bits`` = the master's upper half, plus 1 where its lower half is ``>= 0x8000``
     (negative as int16), and bf16's NaN where the master is NaN (its upper half alone can be
     inf, plus 1 can wrap it to zero); ``remainder`` = the lower half."""
+    given = [t for t in (master, param_bits, remainder) if t is not None]
+    if (native := for_tensors(*given)) is not None:
+        native.split(master, param_bits, remainder)
+        return
     low, high = _halves(master)
     carry, nan = work_arrays(min(master.numel(), PIECE), master.device, torch.int16, torch.bool)
     for lo, hi in pieces(master.numel(), 1):
@@ -93,6 +100,9 @@ def join(
         )
     dst = out_or_new(out, rem.numel(), torch.float32, "out", rem.device)
     dst_bits = dst.view(torch.int32)
+    if (native := for_tensors(param_bits, rem, dst)) is not None:
+        native.join(param_bits, rem, dst)
+        return dst
     (shifted,) = work_arrays(min(rem.numel(), PIECE), rem.device, torch.int32)
     for lo, hi in pieces(rem.numel(), 1):
         work = shifted[: hi - lo]
