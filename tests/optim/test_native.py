@@ -243,3 +243,12 @@ def test_the_compiler_is_cc_when_python_was_built_with_one_this_machine_lacks(
     assert _native.build_command(Path("out"))[0] == "cc"
     monkeypatch.setenv("CC", "my-cc --flag")
     assert _native.build_command(Path("out"))[:2] == ["my-cc", "--flag"]
+
+
+def test_a_missing_kernel_source_falls_back(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_native, "_SOURCE", fresh_build / "no-such-source.c")
+    with pytest.warns(RuntimeWarning, match="no-such-source"):
+        assert _native.kernels() is None
+    assert list(fresh_build.iterdir()) == []

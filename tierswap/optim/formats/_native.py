@@ -171,16 +171,17 @@ def kernels() -> Kernels | None:
     where ``TIERSWAP_NATIVE=0``."""
     if os.environ.get("TIERSWAP_NATIVE", "1") == "0":
         return None
-    target = library_path()
     try:
+        target = library_path()
         if not target.exists():
             build(target)
         return Kernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        command = " ".join(build_command(cache_dir() / "kernels.so"))
         warnings.warn(
-            f"tierswap could not build its C kernels ({' '.join(build_command(target))}: "
+            f"tierswap could not build its C kernels ({command}: "
             f"{exc or type(exc).__name__}); state_precision='8bit' and master='remainder' run "
-            "on torch's ops, 2-4x slower on the CPU. Install a C compiler (or set CC), point "
+            "on torch's ops, 1.4-4x slower on the CPU. Install a C compiler (or set CC), point "
             "TIERSWAP_CACHE_DIR at a writable folder, or set TIERSWAP_NATIVE=0 to silence this.",
             RuntimeWarning,
             stacklevel=3,
