@@ -112,7 +112,7 @@ class Kernels:
 
 def _threads() -> int:
     """Half of torch's threads: the step's I/O threads need the rest. On the 2-core VM one
-    kernel thread streamed the 8-bit e2e step 8-12% faster than two, whose caller waited on the
+    kernel thread streamed the 8-bit e2e step 13-17% faster than two, whose caller waited on the
     share of a thread that found no free core (``docs/benchmarks.md``)."""
     return max(1, torch.get_num_threads() // 2)
 
