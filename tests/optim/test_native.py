@@ -49,6 +49,7 @@ def _values(numel: int, *, signed: bool, seed: int) -> torch.Tensor:
 def _encode_both(
     x: torch.Tensor, signed: bool, block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    assert _native.kernels() is not None  # else both sides would be the torch ops
     kernel = encode_8bit(x, signed=signed, block_size=block_size)
     with monkeypatch.context() as mp:
         _torch_ops(mp)
@@ -144,6 +145,7 @@ def _master_bits(torch_threads: int) -> torch.Tensor:
 def test_remainder_kernels_match_the_torch_ops_bit_for_bit(
     torch_threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    assert _native.kernels() is not None
     master = _master_bits(torch_threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
