@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.optim.format_inputs import HIGHS, moments
 from tierswap.errors import ConfigError, InvalidTensorError
 from tierswap.optim.formats import (
     BLOCK_SIZE,
@@ -36,14 +37,6 @@ def _generator(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _moments(numel: int, *, signed: bool, seed: int = 0) -> torch.Tensor:
-    """Values spread over ten decades, as Adam's moments are (squared for the second moment)."""
-    gen = _generator(seed)
-    decades = torch.empty(numel).uniform_(-8, 1, generator=gen)
-    x = torch.randn(numel, generator=gen) * torch.pow(10.0, decades)
-    return x if signed else x * x
-
-
 def _bits(values: list[int]) -> torch.Tensor:
     """fp32 tensor with the given 32-bit patterns (ints in [0, 2**32))."""
     return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values]).to(torch.int32)
@@ -70,7 +63,7 @@ def test_the_map_is_256_sorted_values_from_minus_one_or_zero_to_one(signed: bool
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("numel", [BLOCK_SIZE, 37 * BLOCK_SIZE, 5 * BLOCK_SIZE + 37, 1, 70_001])
 def test_8bit_error_is_within_half_the_map_gap_of_each_value(signed: bool, numel: int) -> None:
-    x = _moments(numel, signed=signed)
+    x = moments(numel, signed=signed)
     codes, absmax = encode_8bit(x, signed=signed)
     decoded = decode_8bit(codes, absmax, signed=signed)
     assert codes.dtype == torch.uint8
@@ -95,7 +88,7 @@ def test_8bit_error_is_within_half_the_map_gap_of_each_value(signed: bool, numel
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_8bit_keeps_each_blocks_largest_magnitude_exactly(signed: bool) -> None:
-    x = _moments(8 * BLOCK_SIZE, signed=signed, seed=1).abs()
+    x = moments(8 * BLOCK_SIZE, signed=signed, seed=1).abs()
     codes, absmax = encode_8bit(x, signed=signed)
     decoded = decode_8bit(codes, absmax, signed=signed)
     assert torch.equal(absmax, x.view(-1, BLOCK_SIZE).amax(1))
@@ -115,7 +108,7 @@ def test_8bit_blocks_of_zeros_decode_to_zero() -> None:
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_range_from_a_block_boundary_encodes_and_decodes_on_its_own(signed: bool) -> None:
     numel = 9 * BLOCK_SIZE + 77
-    x = _moments(numel, signed=signed, seed=2)
+    x = moments(numel, signed=signed, seed=2)
     codes, absmax = encode_8bit(x, signed=signed)
     whole = decode_8bit(codes, absmax, signed=signed)
     fmt = MomentFormat("8bit", signed)
@@ -142,7 +135,7 @@ def test_array_ranges_refuse_a_range_that_cuts_a_block() -> None:
 
 
 def test_8bit_writes_into_the_arrays_given() -> None:
-    x = _moments(2 * BLOCK_SIZE, signed=True, seed=3).view(2, BLOCK_SIZE)
+    x = moments(2 * BLOCK_SIZE, signed=True, seed=3).view(2, BLOCK_SIZE)
     codes = torch.full((2 * BLOCK_SIZE,), 7, dtype=torch.uint8)
     absmax = torch.zeros(2)
     out = torch.empty(2, BLOCK_SIZE)
@@ -174,7 +167,7 @@ def test_8bit_codes_scales_and_values_equal_torchaos(signed: bool) -> None:
     quant_utils = pytest.importorskip("torchao.optim.quant_utils")
     qmap = torch.tensor(quant_utils.create_dynamic_map(signed=signed), dtype=torch.float32)
     assert torch.equal(qmap, quantization_map(signed))
-    x = _moments(1 << 16, signed=signed, seed=4)
+    x = moments(1 << 16, signed=signed, seed=4)
     # Also every rounding boundary and its neighbours: ties must go the same way.
     boundaries = (qmap[1:] + qmap[:-1]) / 2
     edges = torch.cat([boundaries, *(torch.nextafter(boundaries, qmap[i:][:255]) for i in (0, 1))])
@@ -311,11 +304,6 @@ def test_split_join_is_exact_on_random_bits() -> None:
     _check_split_join(bits)
 
 
-#: Upper halves: zero, subnormals, the smallest normal, 1.0, the largest bf16s, inf, both signs.
-HIGHS = (0x0000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x3F81, 0x7F7E, 0x7F7F, 0x7F80)
-HIGHS += tuple(h | 0x8000 for h in HIGHS)
-
-
 @pytest.mark.parametrize("high", HIGHS)
 def test_split_join_is_exact_for_every_low_half(high: int) -> None:
     """All 2**16 lower halves: ties, values that round up to the next exponent or to inf."""
@@ -421,7 +409,7 @@ def test_formats_by_state_name() -> None:
 def test_a_format_round_trips_through_the_arrays_it_lists(precision: str, state: str) -> None:
     numel = MIN_8BIT_NUMEL + 3 * BLOCK_SIZE + 11
     fmt = MomentFormat.for_state(state, numel, check_precision(precision))
-    x = _moments(numel, signed=fmt.signed, seed=6)
+    x = moments(numel, signed=fmt.signed, seed=6)
     stored = [torch.empty(a.numel, dtype=a.dtype) for a in fmt.arrays(state, numel)]
     fmt.encode(x, stored)
     decoded = fmt.decode(stored, torch.empty(numel))

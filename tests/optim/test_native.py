@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.optim.format_inputs import HIGHS, moments
 from tierswap.optim.formats import _native
 from tierswap.optim.formats._quant8 import decode_8bit, encode_8bit, num_blocks
 from tierswap.optim.formats._remainder import join, round_half_up_bf16, split
@@ -37,9 +38,8 @@ def _torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _values(numel: int, *, signed: bool, seed: int) -> torch.Tensor:
     """Moments over ten decades, with zeros, negative zeros and subnormals mixed in."""
-    gen = torch.Generator().manual_seed(seed)
-    decades = torch.empty(numel).uniform_(-8, 1, generator=gen)
-    x = torch.randn(numel, generator=gen) * torch.pow(10.0, decades)
+    x = moments(numel, signed=True, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     specials = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45])
     where = torch.randint(numel, (min(numel, 64),), generator=gen)
     x[where] = specials[torch.arange(where.numel()) % specials.numel()]
@@ -128,16 +128,13 @@ def test_blocks_with_inf_or_nan_agree_where_finite_and_decode_non_finite(
 
 
 def _master_bits(torch_threads: int) -> torch.Tensor:
-    """fp32 masters: every lower half under several upper halves (zero, subnormal, normal,
-    the largest finite, inf, NaN, both signs), then random bits, enough to split over
-    ``torch_threads // 2`` kernel threads."""
-    uppers = [0x0000, 0x0001, 0x3F80, 0x3F81, 0x7F7F, 0x7F80, 0x7FC0, 0x7FFF]
-    uppers += [u | 0x8000 for u in uppers]
+    """fp32 masters: every lower half under the upper halves of ``HIGHS`` and NaN ones, then
+    random bits, enough to split over ``torch_threads // 2`` kernel threads."""
+    uppers = [*HIGHS, 0x7FC0, 0x7FFF, 0xFFC0, 0xFFFF]
     low = torch.arange(1 << 16, dtype=torch.int64)
     grid = torch.cat([(u << 16) | low for u in uppers])
     randoms = torch.randint(0, 1 << 32, (70_001 * torch_threads,), dtype=torch.int64)
-    bits = torch.cat([grid, randoms])
-    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    return torch.cat([grid, randoms]).to(torch.int32).view(torch.float32)
 
 
 @needs_compiler
