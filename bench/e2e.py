@@ -20,6 +20,10 @@ The I/O bound is the bytes tierswap's default mode reads and writes per iteratio
 fio engine, a write then a read after the page cache was dropped, once per round). Targets:
 DeepSpeed's best / tierswap default >= 1.5, tierswap default / max(ram, I/O bound) <= 1.15.
 
+--throttle READ,WRITE caps the swap folder's disk for every process and the fio trial (a cgroup
+blkio throttle, bench/_throttle.py, root only), to measure the modes on a slower disk than this
+machine's: a cloud volume or a SATA drive, where the disk rather than the CPU bounds the step.
+
 DeepSpeed runs under the interpreter --deepspeed-python names (default: this one) and is
 skipped, with a note, when that interpreter cannot import it. Its child imports only torch and
 deepspeed (bench/_e2e_child.py), so a separate venv works:
@@ -43,6 +47,7 @@ before failing is kept and flagged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,6 +63,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _throttle import throttled  # noqa: E402
 
 from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
@@ -268,13 +275,19 @@ def _phase_medians(results: list[dict], args: argparse.Namespace) -> dict[str, f
     }
 
 
-def io_bound(moved: dict[str, float] | None, fio: list[dict[str, float]]) -> float | None:
-    """Seconds to read and write ``moved`` bytes at fio's median sequential bandwidth."""
+def io_bound(
+    moved: dict[str, float] | None, fio: list[dict[str, float]], throttled: bool = False
+) -> float | None:
+    """Seconds to read and write ``moved`` bytes at fio's median sequential bandwidth.
+
+    One disk reads and writes one after the other (the sum); under ``--throttle`` each
+    direction has its own cap on a faster disk, so they overlap (the larger of the two).
+    """
     if moved is None or not fio:
         return None
-    read_bps = statistics.median(f["read"] for f in fio)
-    write_bps = statistics.median(f["write"] for f in fio)
-    return moved["read"] / read_bps + moved["written"] / write_bps
+    read_s = moved["read"] / statistics.median(f["read"] for f in fio)
+    write_s = moved["written"] / statistics.median(f["write"] for f in fio)
+    return max(read_s, write_s) if throttled else read_s + write_s
 
 
 def targets(summary: dict[str, dict], bound: float | None) -> dict[str, float | None]:
@@ -360,7 +373,8 @@ def _machine() -> dict[str, Any]:
 
 def report_of(args: argparse.Namespace, measured: dict, note: str | None) -> dict[str, Any]:
     summary = summarize(args, measured["runs"])
-    bound = io_bound(summary.get("default", {}).get("swap_bytes_per_iter"), measured["fio"])
+    moved = summary.get("default", {}).get("swap_bytes_per_iter")
+    bound = io_bound(moved, measured["fio"], throttled=args.throttle is not None)
     return {
         "machine": _machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -381,6 +395,16 @@ def _modes(value: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     return names
+
+
+def _throttle(value: str) -> tuple[int, int]:
+    try:
+        read, write = (parse_size(part) for part in value.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: want READ,WRITE sizes, e.g. 500MB,500MB"
+        ) from exc
+    return read, write
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -405,6 +429,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="folder for swap files (default: tmp)")
     p.add_argument("--json", type=Path, default=None, help="default: bench/out/e2e-<time>.json")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration run")
+    p.add_argument(
+        "--throttle", type=_throttle, default=None, metavar="READ,WRITE",
+        help="cap the swap folder's disk at READ and WRITE bytes/s for every configuration "
+        "and the fio trial (e.g. 500MB,500MB; cgroup v1 blkio, needs root; bench/_throttle.py)",
+    )  # fmt: skip
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")
     p.add_argument(
@@ -427,7 +456,11 @@ def main(argv: list[str] | None = None) -> None:
     parent = args.dir or Path(tempfile.mkdtemp(prefix="tierswap-e2e-"))
     parent.mkdir(parents=True, exist_ok=True)
     try:
-        with bench_folder(parent) as folder:
+        with bench_folder(parent) as folder, contextlib.ExitStack() as stack:
+            if args.throttle is not None:
+                device = stack.enter_context(throttled(folder, *args.throttle))
+                read, write = (format_size(b) for b in args.throttle)
+                print(f"disk {device} throttled to read {read}/s, write {write}/s")
             measured = measure(args, folder, configs)
     finally:
         if args.dir is None:
