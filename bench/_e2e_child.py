@@ -153,7 +153,8 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Workload(args)
     opt = tierswap.SwapOptimizer(
-        work.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0, swap_dir=args.dir,
+        work.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0,
+        swap_dir=[args.dir, *args.also_dir] if args.also_dir else args.dir,
         host_budget=args.host_budget, **json.loads(args.options),
     )  # fmt: skip
     counters = dict(DISK)
@@ -230,6 +231,9 @@ def main() -> None:
     p.add_argument("--config", choices=sorted(RUNNERS), required=True)
     p.add_argument("--options", default="{}", help="JSON: SwapOptimizer kwargs / DeepSpeed mode")
     p.add_argument("--dir", required=True, help="swap folder of this run")
+    p.add_argument(
+        "--also-dir", action="append", default=[], help="tierswap: more folders (other drives)"
+    )
     p.add_argument("--host-budget", type=int, default=128 << 20, help="bytes")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--width", type=int, default=4096)

@@ -64,7 +64,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _throttle import throttled  # noqa: E402
+from _throttle import rates, throttled  # noqa: E402
 
 from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
@@ -92,7 +92,14 @@ MODES: dict[str, dict[str, Any]] = {
     # the 8-bit codec on torch's ops instead of its C kernels (MODE_ENV), to compare them
     "8bit-ops": {"state_precision": "8bit"},
     "8bit-fused-ops": {"state_precision": "8bit", "fused": True},
+    # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
+    "striped": {},
+    "fused-striped": {"fused": True},
+    "8bit-fused-striped": {"state_precision": "8bit", "fused": True},
 }
+#: Modes whose swap_dir is --dir plus every --also-dir folder (one per drive); the others, and
+#: DeepSpeed (one nvme_path), use --dir alone.
+STRIPED = {"striped", "fused-striped", "8bit-fused-striped"}
 #: Environment variables a mode's process gets on top of this one's.
 MODE_ENV: dict[str, dict[str, str]] = {
     "8bit-ops": {"TIERSWAP_NATIVE": "0"},
@@ -150,6 +157,8 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(MODE_ENV.get(config, {}))
         options = ["--options", json.dumps(MODES[config]), "--host-budget", str(args.host_budget)]
+        for folder in args.also_dir if config in STRIPED else []:
+            options += ["--also-dir", str(folder / swap_dir.name)]
         return [sys.executable, str(CHILD), "--config", "tierswap", *options, *common], env
     env.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -171,7 +180,9 @@ def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, A
     exit code and the end of its stderr.
     """
     cmd, env = _child_command(args, config, swap_dir)
-    swap_dir.mkdir(parents=True)
+    folders = [swap_dir, *(folder / swap_dir.name for folder in args.also_dir)]
+    for folder in folders:
+        folder.mkdir(parents=True)
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False
@@ -179,7 +190,8 @@ def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, A
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     finally:
-        shutil.rmtree(swap_dir, ignore_errors=True)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
     lines = proc.stdout.strip().splitlines()
     if not lines or not lines[-1].startswith("{"):
         return {"error": f"exit {proc.returncode}: {_stderr_tail(proc.stderr)}"}
@@ -276,7 +288,7 @@ def _phase_medians(results: list[dict], args: argparse.Namespace) -> dict[str, f
 
 
 def io_bound(
-    moved: dict[str, float] | None, fio: list[dict[str, float]], throttled: bool = False
+    moved: dict[str, float] | None, fio: list[dict[str, float]], capped: bool = False
 ) -> float | None:
     """Seconds to read and write ``moved`` bytes at fio's median sequential bandwidth.
 
@@ -287,7 +299,7 @@ def io_bound(
         return None
     read_s = moved["read"] / statistics.median(f["read"] for f in fio)
     write_s = moved["written"] / statistics.median(f["write"] for f in fio)
-    return max(read_s, write_s) if throttled else read_s + write_s
+    return max(read_s, write_s) if capped else read_s + write_s
 
 
 def targets(summary: dict[str, dict], bound: float | None) -> dict[str, float | None]:
@@ -374,7 +386,7 @@ def _machine() -> dict[str, Any]:
 def report_of(args: argparse.Namespace, measured: dict, note: str | None) -> dict[str, Any]:
     summary = summarize(args, measured["runs"])
     moved = summary.get("default", {}).get("swap_bytes_per_iter")
-    bound = io_bound(moved, measured["fio"], throttled=args.throttle is not None)
+    bound = io_bound(moved, measured["fio"], capped=args.throttle is not None)
     return {
         "machine": _machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -397,16 +409,6 @@ def _modes(value: str) -> list[str]:
     return names
 
 
-def _throttle(value: str) -> tuple[int, int]:
-    try:
-        read, write = (parse_size(part) for part in value.split(","))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: want READ,WRITE sizes, e.g. 500MB,500MB"
-        ) from exc
-    return read, write
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -414,8 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         type=_modes,
-        default=list(MODES),
-        help=f"comma-separated tierswap modes (default: all of {', '.join(MODES)})",
+        default=[mode for mode in MODES if mode not in STRIPED],
+        help=f"comma-separated tierswap modes (default: all but {', '.join(sorted(STRIPED))}, "
+        f"which need --also-dir; known: {', '.join(MODES)})",
     )
     p.add_argument(
         "--deepspeed-python",
@@ -427,10 +430,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=6, help="iterations per run; 2..iters count")
     p.add_argument("--host-budget", type=parse_size, default="128MiB")
     p.add_argument("--dir", type=Path, default=None, help="folder for swap files (default: tmp)")
+    p.add_argument(
+        "--also-dir", type=Path, action="append", default=[], metavar="DIR",
+        help=f"a folder on another drive; the modes {', '.join(sorted(STRIPED))} stripe their "
+        "state over --dir and these (swap_dir=[...]); --throttle caps its drive too",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="default: bench/out/e2e-<time>.json")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration run")
     p.add_argument(
-        "--throttle", type=_throttle, default=None, metavar="READ,WRITE",
+        "--throttle", type=rates, default=None, metavar="READ,WRITE",
         help="cap the swap folder's disk at READ and WRITE bytes/s for every configuration "
         "and the fio trial (e.g. 500MB,500MB; cgroup v1 blkio, needs root; bench/_throttle.py)",
     )  # fmt: skip
@@ -442,6 +450,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "batch 4 x 64 tokens",
     )  # fmt: skip
     args = p.parse_args(argv)
+    striped = STRIPED.intersection(args.modes)
+    if striped and not args.also_dir:
+        p.error(f"modes {sorted(striped)} need --also-dir (a folder on another drive)")
     if args.iters < 2 or args.rounds < 1:
         p.error(f"--iters {args.iters} / --rounds {args.rounds}: need iters >= 2, rounds >= 1")
     return args
@@ -454,13 +465,16 @@ def main(argv: list[str] | None = None) -> None:
     if note:
         print(note)
     parent = args.dir or Path(tempfile.mkdtemp(prefix="tierswap-e2e-"))
-    parent.mkdir(parents=True, exist_ok=True)
+    for folder in [parent, *args.also_dir]:
+        folder.mkdir(parents=True, exist_ok=True)
     try:
         with bench_folder(parent) as folder, contextlib.ExitStack() as stack:
             if args.throttle is not None:
-                device = stack.enter_context(throttled(folder, *args.throttle))
+                drives = [folder, *args.also_dir]
+                stack.enter_context(throttled([(d, *args.throttle) for d in drives]))
                 read, write = (format_size(b) for b in args.throttle)
-                print(f"disk {device} throttled to read {read}/s, write {write}/s")
+                print(f"disks under {', '.join(map(str, drives))} throttled to read {read}/s, "
+                      f"write {write}/s each")  # fmt: skip
             measured = measure(args, folder, configs)
     finally:
         if args.dir is None:

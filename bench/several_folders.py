@@ -8,14 +8,18 @@ machine spreads over all of them; the page cache is dropped (``--drop-cache``) b
 - ``N folders, one disk``: ``SwapStore([D/f0, D/f1, ...])``: the chunks striped over folders of
   the same disk, each folder with its own I/O queue. On one disk this cannot be faster; it
   shows what the striping costs (the target: within 5% of one folder);
-- ``disk + tmpfs`` (``--tmpfs /dev/shm``): one folder on the disk and one in memory, where the
-  machine has a tmpfs: the two folders' engines differ (O_DIRECT and buffered), and with equal
-  weights half the chunks move at memory speed.
+- ``two drives`` (``--other B``): one folder on the disk of ``--dir`` and one in ``B``, on
+  another drive or a tmpfs (``/dev/shm``: the two folders' engines differ, O_DIRECT and
+  buffered); equal weights, so the slower drive sets the pace;
+- ``two drives, weighted`` (``--other B --weights F``): the same with the folders weighted by
+  the tune file ``F`` of ``tierswap bench --dir A --dir B --tune F``, so that each drive gets
+  chunks in proportion to its bandwidth.
 
-On real drives, pass one folder per drive with ``tierswap bench --dir A --dir B --tune F``
-instead: it measures each drive, then the striped store against each drive alone.
+On real drives, ``tierswap bench --dir A --dir B --tune F`` measures each drive, then the
+striped store against each drive alone. Drives of different speeds can be imitated on one
+machine by capping each with ``bench/_throttle.py`` (docs/benchmarks.md, "Several drives").
 
-    python bench/several_folders.py --dir /nvme/tmp --size 512MiB --rounds 2 --tmpfs /dev/shm
+    python bench/several_folders.py --dir /nvme/tmp --size 512MiB --rounds 2 --other /dev/shm
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from tierswap import SwapStore
+from tierswap import IOConfig, SwapStore
 from tierswap.cli import check_free_space, drop_page_cache, random_source, size_arg
 from tierswap.io import aligned_empty
 
@@ -44,40 +48,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", type=size_arg, default="512MiB", help="bytes per trial")
     p.add_argument("--rounds", type=int, default=2, help="trials per layout (interleaved)")
     p.add_argument("--folders", type=int, default=2, help="folders on the one disk")
-    p.add_argument("--tmpfs", type=Path, help="a tmpfs folder (e.g. /dev/shm) for disk + tmpfs")
+    p.add_argument("--other", type=Path, help="a folder on a second drive, or a tmpfs")
+    p.add_argument("--weights", type=Path, help="tune file of tierswap bench --dir A --dir B")
     p.add_argument("--drop-cache", default="fadvise", choices=("auto", "drop_caches", "fadvise"))
     return p.parse_args(argv)
 
 
-def layouts(root: Path, args: argparse.Namespace) -> dict[str, Callable[[], list[Path]]]:
-    """Layout name -> a function making fresh store folders for one trial."""
-    made = {
-        "one folder": lambda: [Path(tempfile.mkdtemp(dir=root)) / "store"],
-        f"{args.folders} folders, one disk": lambda: [
-            Path(tempfile.mkdtemp(dir=root)) / f"f{i}" for i in range(args.folders)
-        ],
+Layout = tuple[Callable[[], list[Path]], IOConfig | None]
+
+
+def layouts(root: Path, args: argparse.Namespace) -> dict[str, Layout]:
+    """Layout name -> (a function making fresh store folders for one trial, the IO settings)."""
+    made: dict[str, Layout] = {
+        "one folder": (lambda: [Path(tempfile.mkdtemp(dir=root)) / "store"], None),
+        f"{args.folders} folders, one disk": (
+            lambda: [Path(tempfile.mkdtemp(dir=root)) / f"f{i}" for i in range(args.folders)],
+            None,
+        ),
     }
-    if args.tmpfs is not None:
-        made["disk + tmpfs"] = lambda: [
-            Path(tempfile.mkdtemp(dir=root)) / "disk",
-            Path(tempfile.mkdtemp(prefix="tierswap-bench-", dir=args.tmpfs)) / "mem",
-        ]
+    if args.other is not None:
+
+        def two_drives() -> list[Path]:
+            return [
+                Path(tempfile.mkdtemp(dir=root)) / "disk",
+                Path(tempfile.mkdtemp(prefix="tierswap-bench-", dir=args.other)) / "other",
+            ]
+
+        made["two drives"] = (two_drives, None)
+        if args.weights is not None:
+            made["two drives, weighted"] = (two_drives, IOConfig.from_file(args.weights))
     return made
 
 
 def trial(
-    folders: list[Path], src: torch.Tensor, dst: torch.Tensor, drop: str
+    folders: list[Path], io: IOConfig | None, src: torch.Tensor, dst: torch.Tensor, drop: str
 ) -> tuple[float, float]:
     """(write, read) bytes per second of put + commit and get, the folders removed after."""
     try:
-        with SwapStore(folders if len(folders) > 1 else folders[0], mode="w") as store:
+        with SwapStore(folders if len(folders) > 1 else folders[0], mode="w", io=io) as store:
             start = time.perf_counter()
             store.put(KEY, src)
             store.commit()
             write = src.numel() / (time.perf_counter() - start)
         for folder in folders:
             drop_page_cache(folder, drop)  # type: ignore[arg-type]
-        with SwapStore(folders[0], mode="r") as store:
+        with SwapStore(folders[0], mode="r", io=io) as store:
             start = time.perf_counter()
             store.get(KEY, out=dst)
             read = dst.numel() / (time.perf_counter() - start)
@@ -98,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         made = layouts(root, args)
         for _ in range(args.rounds):
-            for name, make in made.items():
-                rates.setdefault(name, []).append(trial(make(), src, dst, args.drop_cache))
+            for name, (make, io) in made.items():
+                rates.setdefault(name, []).append(trial(make(), io, src, dst, args.drop_cache))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     base = [statistics.median(r[i] for r in rates["one folder"]) for i in (0, 1)]
