@@ -125,9 +125,11 @@ def _phases() -> dict[str, list[float]]:
 
 
 def run_ram(args: argparse.Namespace) -> dict[str, Any]:
-    """torch.optim.AdamW with all state in RAM."""
+    """torch.optim.AdamW with all state in RAM (``--options``: its keyword arguments)."""
     work = Workload(args)
-    opt = torch.optim.AdamW(work.model.parameters(), lr=LR, weight_decay=0)
+    opt = torch.optim.AdamW(
+        work.model.parameters(), lr=LR, weight_decay=0, **json.loads(args.options)
+    )
     phases = _phases()
     result = _time_iterations(_torch_loop(work, opt, phases), args.iters, DISK)
     return {**result, "phases": phases}

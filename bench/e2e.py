@@ -10,6 +10,7 @@ rounds interleaved so that machine load hits them alike; the figure is the media
 2..--iters over all rounds (iteration 1 creates the state).
 
   ram           torch.optim.AdamW, all state in RAM
+  ram-fused     the same with fused=True, when a mode uses fused=True
   <mode>        tierswap.SwapOptimizer(..., host_budget="128MiB", **MODES[mode]), see MODES
                 (and MODE_ENV, the environment some modes add)
   ds-default    DeepSpeed ZeRO-3, optimizer state offloaded to NVMe, buffer_count 4
@@ -105,6 +106,9 @@ MODE_ENV: dict[str, dict[str, str]] = {
     "8bit-ops": {"TIERSWAP_NATIVE": "0"},
     "8bit-fused-ops": {"TIERSWAP_NATIVE": "0"},
 }
+#: In-RAM baselines: name -> torch.optim.AdamW keyword arguments. ``ram-fused`` runs when a
+#: mode uses ``fused=True``, so that each kernel has its own in-RAM figure.
+RAM: dict[str, dict[str, Any]] = {"ram": {}, "ram-fused": {"fused": True}}
 #: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
 DEEPSPEED: dict[str, dict[str, Any]] = {
     "ds-default": {"pipelined": False},
@@ -151,8 +155,9 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     env = dict(os.environ)
     common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
     common += ["--width", str(args.width), "--depth", str(args.depth), "--model", args.model]
-    if config == "ram":
-        return [sys.executable, str(CHILD), "--config", "ram", *common], env
+    if config in RAM:
+        options = ["--options", json.dumps(RAM[config])]
+        return [sys.executable, str(CHILD), "--config", "ram", *options, *common], env
     if config in MODES:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(MODE_ENV.get(config, {}))
@@ -212,7 +217,8 @@ def _fio_trial(folder: Path, nbytes: int) -> dict[str, float] | None:
 
 def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     """The configurations to run, and a note when DeepSpeed's are skipped."""
-    configs = ["ram", *args.modes]
+    fused = any(MODES[mode].get("fused") for mode in args.modes)
+    configs = ["ram", *(["ram-fused"] if fused else []), *args.modes]
     if args.no_deepspeed:
         return configs, "DeepSpeed skipped (--no-deepspeed)"
     missing = _deepspeed_missing(args.deepspeed_python)
