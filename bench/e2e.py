@@ -24,6 +24,8 @@ DeepSpeed's best / tierswap default >= 1.5, tierswap default / max(ram, I/O boun
 --throttle READ,WRITE caps the swap folder's disk for every process and the fio trial (a cgroup
 blkio throttle, bench/_throttle.py, root only), to measure the modes on a slower disk than this
 machine's: a cloud volume or a SATA drive, where the disk rather than the CPU bounds the step.
+--also-dir B (once per drive) puts the state of the ``-striped`` modes on ``swap_dir=[--dir,
+B, ...]``; the other modes and DeepSpeed (one nvme_path) stay on --dir.
 
 DeepSpeed runs under the interpreter --deepspeed-python names (default: this one) and is
 skipped, with a note, when that interpreter cannot import it. Its child imports only torch and
