@@ -152,6 +152,13 @@ def _deepspeed_missing(python: str) -> str | None:
     return f"{python} cannot import deepspeed: {lines[-1] if lines else proc.returncode}"
 
 
+def _swap_dirs(args: argparse.Namespace, config: str, swap_dir: Path) -> list[Path]:
+    """The folders one configuration's run uses: ``swap_dir``, and one per --also-dir drive
+    for the STRIPED modes."""
+    extra = args.also_dir if config in STRIPED else []
+    return [swap_dir, *(folder / swap_dir.name for folder in extra)]
+
+
 def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tuple[list, dict]:
     """The command line and environment of one configuration's process."""
     env = dict(os.environ)
@@ -164,8 +171,8 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(MODE_ENV.get(config, {}))
         options = ["--options", json.dumps(MODES[config]), "--host-budget", str(args.host_budget)]
-        for folder in args.also_dir if config in STRIPED else []:
-            options += ["--also-dir", str(folder / swap_dir.name)]
+        for folder in _swap_dirs(args, config, swap_dir)[1:]:
+            options += ["--also-dir", str(folder)]
         return [sys.executable, str(CHILD), "--config", "tierswap", *options, *common], env
     env.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -187,7 +194,7 @@ def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, A
     exit code and the end of its stderr.
     """
     cmd, env = _child_command(args, config, swap_dir)
-    folders = [swap_dir, *(folder / swap_dir.name for folder in args.also_dir)]
+    folders = _swap_dirs(args, config, swap_dir)
     for folder in folders:
         folder.mkdir(parents=True)
     try:
