@@ -44,6 +44,7 @@ __all__ = [
     "atomic_write_bytes",
     "fdatasync_path",
     "fsync_dir",
+    "mkdirs_durable",
     "read_journal",
     "roll_forward",
     "syncfs",
@@ -93,6 +94,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def mkdirs_durable(path: Path) -> None:
+    """Create folder ``path`` and its missing parents, and make their entries durable: a
+    marker that names a folder must not outlive the folder itself after a power cut."""
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(errno.EEXIST, "a file exists where a directory should be", str(path))
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    if missing:
+        missing[0].mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(created.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
@@ -149,14 +165,19 @@ def roll_forward(
     roots = _roots(root)
     touched = _remove_superseded(roots, plan)
     spares = dict(plan.recycle)
+    pending = [(s, d) for s, d in plan.moves if locate(roots, s).exists()]
+    # A staged file moved into a folder whose own entry is not yet durable could vanish with
+    # that folder in a power cut, while the journal says it moved: folders first, durably.
+    for _src, dst_rel in pending:
+        mkdirs_durable(locate(roots, dst_rel).parent)
+        if dst_rel in spares:
+            mkdirs_durable(locate(roots, spares[dst_rel]).parent)
     for src_rel, dst_rel in plan.moves:
         src, dst = locate(roots, src_rel), locate(roots, dst_rel)
         if src.exists():  # not yet moved: a crash may have moved the old version aside only
-            dst.parent.mkdir(parents=True, exist_ok=True)
             spare_rel = spares.get(dst_rel)
             if spare_rel is not None and dst.exists():
                 spare = locate(roots, spare_rel)
-                spare.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(dst, spare)
                 touched.add(spare.parent)
             os.replace(src, dst)
@@ -200,7 +221,7 @@ def commit_durable(
     the store is unchanged.
     """
     internal, home = staging.parent, _roots(root)[0]
-    staging.mkdir(exist_ok=True)
+    mkdirs_durable(staging)
     staged = [
         (staging / f"m{plan.generation}.{i}.json", dst) for i, (dst, _data) in enumerate(documents)
     ]

@@ -70,7 +70,7 @@ class Folder:
                 f"folder {str(self.root)!r} is not empty and holds no store; pick an empty folder"
             )
         try:
-            self.internal.mkdir(parents=True, exist_ok=True)
+            journal.mkdirs_durable(self.internal)
         except OSError as exc:
             raise unwritable(self.root, exc) from exc
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from tierswap.store._folder import StoreFolder
+from tierswap.store._journal import mkdirs_durable
 from tierswap.store._layout import ArrayMeta, chunk_relpath, split_qualified
 from tierswap.store._recycle import SparePool
 
@@ -54,7 +55,7 @@ class ChunkTargets:
         number ``batch``."""
         if self._durable:
             staging = self._folder.folders[folder].staging
-            staging.mkdir(exist_ok=True)
+            mkdirs_durable(staging)  # its entry durable before a journal names files in it
             return staging / f"{batch}.{index}"
         final = self._folder.roots[folder] / chunk_relpath(key, index)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +119,7 @@ class ChunkTargets:
 
 
 def unlink_all(paths: Iterable[Path]) -> None:
+    """Delete ``paths`` that exist: the cleanup of a write that failed or was undone."""
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             path.unlink()
