@@ -110,6 +110,31 @@ def test_commit_and_resume_in_process(tmp_path) -> None:
         assert_same_params(plain_model2, fresh_model)
 
 
+def test_a_state_loaded_after_a_committed_step_commits_the_loaded_weights(tmp_path) -> None:
+    """A step that commits writes the params it stepped, and the next commit skips them; a
+    state loaded in between (weights and optimizer, as a trainer's checkpoint load does)
+    changes them, so that commit writes them again: the resume holds the loaded state, not the
+    weights of the last step."""
+    plain_model, swap_model = make_models()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    data = batches(3)
+    train_step(plain_model, plain, data[0])
+    kwargs = {"swap_dir": tmp_path / "run", "host_budget": 8192, "lr": 1e-2}
+    with SwapOptimizer(swap_model.parameters(), **kwargs, commit_every=1) as swap:
+        for x in data[:2]:
+            train_step(swap_model, swap, x)
+        swap_model.load_state_dict(plain_model.state_dict())
+        swap.load_state_dict(plain.state_dict())
+        swap.commit()
+    _, fresh_model = make_models(seed=7)
+    with SwapOptimizer(fresh_model.parameters(), **kwargs, resume=True) as resumed:
+        assert_same_params(plain_model, fresh_model)
+        assert_same_state(plain.state_dict(), resumed.state_dict())
+        train_step(plain_model, plain, data[2])
+        train_step(fresh_model, resumed, data[2])
+        assert_same_params(plain_model, fresh_model)
+
+
 def test_resume_with_mixed_precision_restores_masters(tmp_path) -> None:
     _, model = make_models(dtype=torch.bfloat16)
     kwargs = {"swap_dir": tmp_path / "run", "lr": 1e-2}

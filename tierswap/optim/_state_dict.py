@@ -452,6 +452,7 @@ def load_state_dict(
     _replace_states(
         backend, step_state, list(zip(layout.slots, states, strict=True)), layout.chunk_bytes
     )
+    step_state.params_written = set()  # the caller may have loaded weights: commit writes all
     for group, restored in zip(param_groups, loaded_groups, strict=True):
         group.update(_hyper(restored))
 
