@@ -14,6 +14,7 @@ __all__ = [
     "BudgetError",
     "ConfigError",
     "CorruptionError",
+    "FailedStepError",
     "InconsistentResumeError",
     "InvalidKeyError",
     "InvalidTensorError",
@@ -107,6 +108,11 @@ class BenchmarkError(TierswapError, RuntimeError):
 
 class SnapshotExistsError(TierswapError, FileExistsError):
     """A snapshot's destination already holds files; snapshots go into a new or empty folder."""
+
+
+class FailedStepError(TierswapError, RuntimeError):
+    """A step failed part-way (its error was raised then), so the optimizer's state mixes two
+    steps; ``commit()`` and ``snapshot()`` refuse to keep it until a whole state is loaded."""
 
 
 class NoCommitError(TierswapError, RuntimeError):

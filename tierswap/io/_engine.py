@@ -27,7 +27,7 @@ import crc32c
 import numpy as np
 
 from tierswap.config import ALIGN, IOConfig, round_up
-from tierswap.errors import ConfigError, CorruptionError, OutOfSpaceError
+from tierswap.errors import ConfigError, CorruptionError, OutOfSpaceError, TierswapError
 
 __all__ = ["IOEngine", "crc_of", "gather", "translate_os_error", "zeros_crc"]
 
@@ -53,11 +53,23 @@ def zeros_crc(length: int) -> int:
     return crc
 
 
-def translate_os_error(exc: OSError, what: str) -> Exception:
-    """Map a disk-full ``OSError`` onto :class:`OutOfSpaceError`; others pass through."""
+def translate_os_error(exc: OSError, what: str) -> OSError:
+    """The error to raise (``from exc``) for ``exc``, met while doing ``what``.
+
+    ``what`` names the operation and its object, e.g. ``"writing key 'a' chunk 0 ('/s/c/0')"``.
+    A full disk becomes :class:`OutOfSpaceError`; tierswap's own errors pass through unchanged;
+    any other ``OSError`` (``EIO`` from a failing drive, ...) becomes an ``OSError`` of the
+    same errno, and so of the same builtin subclass, whose message ends with ``what``: the OS
+    names no file for a failed ``pwritev`` or ``fdatasync``, and the caller's key is the name
+    that tells the user which state was hit.
+    """
+    if isinstance(exc, TierswapError):
+        return exc
     if exc.errno in _NO_SPACE:
         return OutOfSpaceError(f"disk full while {what}; free space on that filesystem and retry")
-    return exc
+    if exc.errno is None:
+        return OSError(f"{exc} while {what}")
+    return OSError(exc.errno, f"{exc.strerror or os.strerror(exc.errno)} while {what}")
 
 
 def _address(arr: np.ndarray) -> int:
@@ -185,9 +197,15 @@ class IOEngine:
 
     @staticmethod
     def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+        """Write all of ``data`` at ``offset``: a short write is continued where it stopped; a
+        write that makes no progress raises ``EIO`` (looping on it would never end)."""
         view = data.data.cast("B")
         while view:
             written = os.pwritev(fd, [view], offset)
+            if written <= 0:
+                raise OSError(
+                    errno.EIO, f"the drive wrote 0 of {len(view)} bytes at offset {offset}"
+                )
             view, offset = view[written:], offset + written
 
     # ------------------------------------------------------------------ reads

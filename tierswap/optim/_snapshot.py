@@ -88,8 +88,8 @@ def snapshot(
     dest = rank_swap_dir(Path(dest).absolute())
     check_destination(backend.folders, dest)  # fail before committing
     check_same_step(step_state.steps, backend.path, "snapshot")
-    if _needs_commit(backend, step_state, groups):
-        commit()
+    if step_state.failed or _needs_commit(backend, step_state, groups):
+        commit()  # after a failed step it raises: that state is no step's end
     return backend.store.snapshot(dest, progress=progress)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from tierswap.errors import ConfigError
+from tierswap.errors import ConfigError, FailedStepError, StoreClosedError
 from tierswap.optim._config import SwapConfig
 from tierswap.optim._layout import Layout
 from tierswap.optim._partition import Slot, local_tensor, master_dtype
@@ -30,6 +30,7 @@ __all__ = [
     "check_commit",
     "check_format",
     "commit",
+    "drain_writes",
     "final_commit",
     "load_state_dict",
     "master_of",
@@ -126,7 +127,15 @@ def commit(
 ) -> int:
     """Write params without a master (those the last step did not), scalars and
     hyper-parameters of ``groups``; flush the resident slices; commit. Returns the generation."""
-    backend.pipeline.drain()
+    drain_writes(backend, step_state)
+    if step_state.failed:
+        meta = backend.committed_meta()
+        committed = 0 if meta is None else int(meta.get("steps", 0))
+        raise FailedStepError(
+            f"swap_dir {str(backend.path)!r}: a step failed part-way and left the state between "
+            "two steps, so it is not committed; load a state (load_state_dict, load_snapshot) "
+            f"or reopen with resume=True to continue from step {committed}"
+        )
     slots = layout.slots
     unwritten = [s for s in slots if s.persists_param and s.index not in step_state.params_written]
     write_params(backend, layout, unwritten, masters=False)
@@ -152,6 +161,20 @@ def commit(
     generation = backend.commit(small, meta)
     step_state.changed = False  # the commit holds any state loaded before it
     return generation
+
+
+def drain_writes(backend: StateBackend, step_state: StepState) -> None:
+    """Wait for the steps' write-behinds; raise the first that failed.
+
+    A failed write-behind lost a slice's new state (its buffers went back to the pool) and
+    left the old one in the store, and the pipeline raises it only once: the state is marked
+    ``failed`` first, so that no later commit at ``close()`` holds a mix of old and new.
+    """
+    try:
+        backend.pipeline.drain()
+    except BaseException:
+        step_state.failed = True
+        raise
 
 
 def final_commit(
@@ -185,9 +208,16 @@ def final_commit(
     try:
         commit()
     except Exception as exc:
+        # The store closed under an open backend: a commit failed past its commit point (the
+        # journal holds it), and the reopen of a resume finishes it.
+        resume = (
+            "resume=True finishes that commit and continues from the step it holds"
+            if isinstance(exc, StoreClosedError)
+            else f"resume=True continues from step {committed}"
+        )
         warnings.warn(
             f"{where}: close() could not commit steps {committed + 1}..{step_state.steps} "
-            f"({type(exc).__name__}: {exc}); resume=True continues from step {committed}",
+            f"({type(exc).__name__}: {exc}); {resume}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -452,6 +482,7 @@ def load_state_dict(
     _replace_states(
         backend, step_state, list(zip(layout.slots, states, strict=True)), layout.chunk_bytes
     )
+    step_state.failed = False  # a whole state again
     step_state.params_written = set()  # the caller may have loaded weights: commit writes all
     for group, restored in zip(param_groups, loaded_groups, strict=True):
         group.update(_hyper(restored))

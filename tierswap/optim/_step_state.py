@@ -81,3 +81,4 @@ class StepState:
         self.names = defaultdict(list, names)
         self.steps = steps
         self.stepped.clear()
+        self.failed = False  # a whole state again

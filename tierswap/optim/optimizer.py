@@ -362,7 +362,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         last slices are still being written, or, with ``overlap="forward"``, before they
         step); raise a failure of it."""
         self._deferred.wait()
-        self._backend.pipeline.drain()
+        _state_dict.drain_writes(self._backend, self._state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. A step still running keeps the gradients it was given: ``None`` here

@@ -28,7 +28,7 @@ from tierswap.store._folder import StoreFolder
 from tierswap.store._layout import ArrayMeta
 from tierswap.store._tensors import flat_bytes, spare_bytes
 
-__all__ = ["ChunkFiles", "ChunkRef", "start_engines"]
+__all__ = ["ChunkFiles", "ChunkRef", "ChunkTarget", "start_engines"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,24 @@ class ChunkRef:
     path: Path
     crc: int
     folder: int = 0  # the store folder holding the file (whose engine moves it)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTarget:
+    """Where one chunk is written: the file ``path`` in store folder ``folder`` that will hold
+    chunk ``index`` of ``key``; ``in_place`` overwrites an existing file of the chunk's size
+    (a scratch store's chunk, or a recycled spare) without truncating it first."""
+
+    key: str
+    index: int
+    path: Path
+    folder: int = 0
+    in_place: bool = False
+
+    @property
+    def name(self) -> str:
+        """The chunk as error messages name it: key, index, file."""
+        return _chunk_name(self.key, self.index, self.path)
 
 
 def start_engines(config: IOConfig, folder: StoreFolder, *, writable: bool) -> list[IOEngine]:
@@ -96,33 +114,42 @@ class ChunkFiles:
         return self.engines[folder].submit(fn, *args)
 
     # ------------------------------------------------------------------ whole chunks
-    def write(
-        self, path: Path, piece: np.ndarray, file_size: int, in_place: bool = False, folder: int = 0
-    ) -> int:
-        """Write ``piece`` as the chunk file ``path`` of ``file_size`` bytes; return its CRC."""
+    def write(self, target: ChunkTarget, piece: np.ndarray, file_size: int) -> int:
+        """Write ``piece`` as ``target``'s file of ``file_size`` bytes; return its CRC. A
+        failure raises an ``OSError`` naming the key and chunk."""
+        engine, sync = self.engines[target.folder], self.sync_each_chunk[target.folder]
         try:
-            crc = self.engines[folder].write_file(
-                path, piece, file_size, sync=self.sync_each_chunk[folder], in_place=in_place
+            crc = engine.write_file(
+                target.path, piece, file_size, sync=sync, in_place=target.in_place
             )
         except OSError as exc:
-            raise translate_os_error(exc, f"writing {str(path)!r}") from exc
+            raise translate_os_error(exc, f"writing {target.name}") from exc
         self._count("bytes_written", piece.size, "writes")
         return crc
 
-    def zero(self, path: Path, length: int, file_size: int, folder: int = 0) -> int:
-        """Create ``path`` as a sparse chunk of zeros; return the CRC of ``length`` zero bytes."""
+    def zero(self, target: ChunkTarget, length: int, file_size: int) -> int:
+        """Create ``target``'s file as a sparse chunk of zeros; return the CRC of ``length``
+        zero bytes. A failure raises an ``OSError`` naming the key and chunk."""
+        engine, sync = self.engines[target.folder], self.sync_each_chunk[target.folder]
         try:
-            self.engines[folder].allocate_file(path, file_size, sync=self.sync_each_chunk[folder])
+            engine.allocate_file(target.path, file_size, sync=sync)
         except OSError as exc:
-            raise translate_os_error(exc, f"allocating {str(path)!r}") from exc
+            raise translate_os_error(exc, f"allocating {target.name}") from exc
         return zeros_crc(length)
 
     def read(self, chunk: ChunkRef, piece: np.ndarray, spare: int) -> None:
-        """Fill ``piece`` from ``chunk`` and check its CRC32C (``spare``: see IOEngine)."""
+        """Fill ``piece`` from ``chunk`` and check its CRC32C (``spare``: see IOEngine).
+
+        A failed read raises :class:`CorruptionError` (damaged, short or missing file) or the
+        drive's ``OSError``, both naming the key and chunk; ``piece`` then holds no valid data.
+        """
         try:
             crc = self.engines[chunk.folder].read_file(chunk.path, piece, spare)
         except CorruptionError as exc:
             raise CorruptionError(f"key {chunk.key!r} chunk {chunk.index}: {exc}") from exc
+        except OSError as exc:
+            where = _chunk_name(chunk.key, chunk.index, chunk.path)
+            raise translate_os_error(exc, f"reading {where}") from exc
         if crc != chunk.crc:
             raise CorruptionError(
                 f"key {chunk.key!r} chunk {chunk.index} ({str(chunk.path)!r}) fails its CRC32C "
@@ -185,7 +212,8 @@ class ChunkFiles:
             self.read(chunk, piece, round_up(length) - length)
             piece[lo - offset : hi - offset] = src[lo - base : hi - base]
         path, in_place = target  # in place: a scratch store's chunk, or a recycled spare
-        return self.write(path, piece, meta.chunk_bytes, in_place, chunk.folder)
+        new = ChunkTarget(meta.key, chunk.index, path, chunk.folder, in_place)
+        return self.write(new, piece, meta.chunk_bytes)
 
     # ------------------------------------------------------------------ counters
     def _count(self, bytes_name: str, nbytes: int, ops_name: str) -> None:
@@ -197,6 +225,11 @@ class ChunkFiles:
         """Bytes and chunk files read and written so far."""
         with self._lock:
             return dict(self._counters)
+
+
+def _chunk_name(key: str, index: int, path: Path) -> str:
+    """How error messages name a chunk: its key and index, then the file."""
+    return f"key {key!r} chunk {index} ({str(path)!r})"
 
 
 def _overlap(offset: int, length: int, start: int, nbytes: int) -> tuple[int, int]:

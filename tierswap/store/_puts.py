@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tierswap.io import gather, translate_os_error
-from tierswap.store._chunks import ChunkFiles
+from tierswap.store._chunks import ChunkFiles, ChunkTarget
 from tierswap.store._gate import Gate
 from tierswap.store._index import StoreIndex
 from tierswap.store._layout import ArrayMeta, locate
@@ -71,16 +71,14 @@ class WholeWrites:
                 folder = meta.folder_of(i)
                 if flat is None:
                     paths.append(self._targets.new_path(meta.key, batch, i, folder))
-                    futures.append(
-                        chunks.submit(folder, chunks.zero, paths[-1], length, size, folder)
-                    )
+                    target = ChunkTarget(meta.key, i, paths[-1], folder)
+                    futures.append(chunks.submit(folder, chunks.zero, target, length, size))
                     continue
                 path, recycled = self._targets.write_target(meta, batch, i)
                 paths.append(path)
+                target = ChunkTarget(meta.key, i, path, folder, in_place=recycled)
                 piece = flat[offset : offset + length]
-                futures.append(
-                    chunks.submit(folder, chunks.write, path, piece, size, recycled, folder)
-                )
+                futures.append(chunks.submit(folder, chunks.write, target, piece, size))
         except BaseException as exc:  # failed to start: undone once the started writes end
             failed: Future[int] = Future()
             failed.set_exception(exc)
@@ -93,8 +91,10 @@ class WholeWrites:
             if error is None:
                 written.set_result((dataclasses.replace(meta, crcs=tuple(done.result())), paths))
             else:
-                unlink_all(paths)
-                written.set_exception(error)
+                try:  # a failed cleanup must not leave the caller waiting
+                    unlink_all(paths)
+                finally:
+                    written.set_exception(error)
 
         gather(futures).add_done_callback(_done)
         return written
