@@ -1,13 +1,18 @@
-"""A training process SIGKILLed mid-run resumes bit-exact from its last commit."""
+"""A training process SIGKILLed mid-run resumes bit-exact from its last commit; so does one
+folder through many kills at random moments (``run_kill_trials``)."""
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.optim.models import (
@@ -105,3 +110,159 @@ def test_sigkilled_muon_and_adamw_run_resumes_bit_exact(tmp_path) -> None:
             if step == done - 1:
                 assert_same_params(ref_model, model)
         assert_same_params(ref_model, model)
+
+
+class ForkServer:
+    """``train_child --serve``: forks children that resume a folder and train until killed."""
+
+    def __init__(self, stderr: Path) -> None:
+        self._stderr_path = stderr
+        self._stderr = stderr.open("w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.optim.train_child", "--serve"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+        )  # fmt: skip
+        self.pid = 0  # the child, until reaped
+        self.lines: list[list[str]] = []  # the child's lines since the fork
+
+    def _read(self) -> list[str]:
+        words = self._proc.stdout.readline().split()
+        if not words or words[0] == "failed":
+            raise AssertionError(f"child or server failed: {self._stderr_path.read_text()}")
+        return words
+
+    def _send(self, line: str) -> None:
+        self._proc.stdin.write(line + "\n")
+        self._proc.stdin.flush()
+
+    def fork(self, swap_dir: Path) -> None:
+        self._send(f"resume {swap_dir}")
+        self.lines = []
+        while (words := self._read())[0] != "forked":
+            self.lines.append(words)  # the child wrote before the server
+        self.pid = int(words[1])
+
+    def wait_commits(self, n: int) -> None:
+        """Until the child has committed ``n`` steps since its fork."""
+        while sum(words[0] == "committed" for words in self.lines) < n:
+            self.lines.append(self._read())
+
+    def kill(self) -> None:
+        """SIGKILL the child, then read all it wrote until the server reaped it."""
+        os.kill(self.pid, signal.SIGKILL)  # still ours: a zombie until the server reaps it
+        self._send("reap")
+        while (words := self._read())[0] != "reaped":
+            self.lines.append(words)
+        assert words[1:] == [str(self.pid), str(-signal.SIGKILL)], words
+        self.pid = 0
+
+    def close(self) -> None:
+        self._proc.stdin.close()  # the server kills a child still running, and exits
+        try:
+            self._proc.wait(timeout=60)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc.stdout.close()
+            self._stderr.close()
+
+
+class Reference:
+    """Plain AdamW in memory, moved on to the step a resumed folder holds."""
+
+    def __init__(self) -> None:
+        self.model, _ = make_models()
+        kwargs = {k: CHILD_KWARGS[k] for k in ("lr", "weight_decay")}
+        self.opt = torch.optim.AdamW(self.model.parameters(), **kwargs)
+        self.steps = 0
+
+    def advance_to(self, steps: int) -> None:
+        assert steps >= self.steps, (steps, self.steps)
+        for step in range(self.steps, steps):
+            train_step(self.model, self.opt, batch_for_step(step))
+        self.steps = steps
+
+
+def _resume_and_check(swap_dir: Path, ref: Reference, reported: int, more: int) -> None:
+    """Resume in this process: bitwise the reference at the folder's step; ``more`` steps on
+    (committed, for the next child to resume)."""
+    _, model = make_models(seed=11)  # the resume overwrites these weights
+    with SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **CHILD_KWARGS
+    ) as opt:
+        # the child prints after each commit: a kill between the two loses one line
+        assert opt.steps in (reported, reported + 1), (opt.steps, reported)
+        ref.advance_to(opt.steps)
+        assert_same_params(ref.model, model)
+        assert_same_state(ref.opt.state_dict(), opt.state_dict())
+        for _ in range(more):
+            train_step(model, opt, batch_for_step(ref.steps))
+            ref.advance_to(ref.steps + 1)
+        assert_same_params(ref.model, model)
+
+
+MAX_DELAY_S = 0.25  # a kill after a random delay: in the resume (~50 ms) or the first steps
+STEP_S = 0.05  # about one step on 2 cores: the extra sleep after a number of commits
+
+
+def _kill_at_random(server: ForkServer, rng: random.Random) -> str:
+    """Kill the child at a random moment; returns where it was: resuming, or after n
+    commits of its own."""
+    if rng.random() < 0.5:
+        time.sleep(rng.uniform(0, MAX_DELAY_S))
+    else:
+        server.wait_commits(rng.randint(1, 3))
+        time.sleep(rng.uniform(0, STEP_S))
+    server.kill()
+    if not any(words[0] == "resumed" for words in server.lines):
+        return "resuming"
+    commits = sum(words[0] == "committed" for words in server.lines)
+    return f"{min(commits, 3)}{'+' if commits >= 3 else ''} commits"
+
+
+def run_kill_trials(tmp_path: Path, trials: int, seed: int) -> None:
+    """One folder lives through ``trials`` crashes: a child resumes it and trains until killed
+    at a random moment; this process resumes it, checks it bitwise against the reference and
+    commits 1-2 steps more."""
+    rng = random.Random(seed)
+    swap_dir = tmp_path / "run"
+    ref = Reference()
+    _, model = make_models()
+    with SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **CHILD_KWARGS
+    ) as opt:
+        train_step(model, opt, batch_for_step(0))
+    ref.advance_to(1)
+    where: collections.Counter[str] = collections.Counter()
+    server = ForkServer(tmp_path / "server.err")
+    start = time.perf_counter()
+    try:
+        for _ in range(trials):
+            server.fork(swap_dir)
+            where[_kill_at_random(server, rng)] += 1
+            reported = max(
+                [ref.steps] + [int(w[1]) for w in server.lines if w[0] in ("resumed", "committed")]
+            )
+            _resume_and_check(swap_dir, ref, reported, more=rng.randint(1, 2))
+    finally:
+        server.close()
+    seconds = time.perf_counter() - start
+    print(
+        f"\nkill trials: {trials} (seed {seed}), all resumed bit-exact; {ref.steps} steps in the "
+        f"folder; {seconds:.0f} s, {seconds / trials:.2f} s a trial; killed: "
+        + ", ".join(f"{key} {where[key]}" for key in sorted(where))
+    )
+
+
+def test_random_kills_resume_bit_exact(tmp_path) -> None:
+    """8 trials, about 5 s."""
+    run_kill_trials(tmp_path, trials=8, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_1000_random_kills_resume_bit_exact(tmp_path) -> None:
+    """1,000 trials, about 6 min on 2 cores (0.34 s a trial: a fork, not a new interpreter)."""
+    run_kill_trials(tmp_path, trials=1000, seed=2)

@@ -1,14 +1,33 @@
-"""A training process for the kill-and-resume test: ``python -m tests.optim.train_child DIR
-[muon]``.
+"""A training process for the kill-and-resume tests.
 
-Trains TinyNet with a SwapOptimizer committing every step and prints ``committed <n>`` after
-each step until it is killed. With ``muon``, the matrices step with torch.optim.Muon and the
-rest with AdamW, in one SwapOptimizer (:func:`muon_groups`).
+``python -m tests.optim.train_child DIR [muon]`` trains TinyNet with a SwapOptimizer committing
+every step and prints ``committed <n>`` after each step until it is killed. With ``muon``, the
+matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
+(:func:`muon_groups`).
+
+``python -m tests.optim.train_child --serve`` is a fork server for many kill trials: a fork
+costs milliseconds where a new interpreter importing torch costs a second or two. It imports
+torch and tierswap once, computes nothing and starts no thread (run it with
+``OPENBLAS_NUM_THREADS=1``: numpy's BLAS would start one at import), so a fork copies one
+thread in a quiet state. On stdin it reads, one line at a time:
+
+- ``resume DIR``: forks a child that resumes the run in DIR and trains until killed
+  (:func:`resume_and_train`), and prints ``forked <pid>``;
+- ``reap``: waits for that child (the caller has killed it) and prints ``reaped <pid> <code>``,
+  the code as :func:`os.waitstatus_to_exitcode` gives it (``-9`` after SIGKILL). Until then a
+  dead child stays a zombie, so its pid cannot name another process.
+
+The children write to the server's stdout and stderr: ``resumed <n>``, ``committed <n>`` per
+step, or ``failed`` (the traceback on stderr) when they stop on their own.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import signal
 import sys
+import traceback
 
 import torch
 
@@ -51,5 +70,59 @@ def main(swap_dir: str, recipe: str = "adamw") -> None:
         print(f"committed {opt.steps}", flush=True)
 
 
+def resume_and_train(swap_dir: str, server: int) -> None:
+    """Resume the AdamW run in ``swap_dir`` (constant lr) and train until killed, or until the
+    process ``server`` that forked this one is gone."""
+    _, model = make_models(seed=11)  # the resume overwrites these weights
+    opt = SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **CHILD_KWARGS
+    )
+    print(f"resumed {opt.steps}", flush=True)
+    while os.getppid() == server:
+        train_step(model, opt, batch_for_step(opt.steps))
+        print(f"committed {opt.steps}", flush=True)
+
+
+def _forked(swap_dir: str, server: int) -> None:
+    """The body of a forked child: never returns into the server's loop."""
+    try:
+        resume_and_train(swap_dir, server)
+    except BaseException:
+        traceback.print_exc()
+        print("failed", flush=True)
+    finally:
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def serve() -> None:
+    # the first torch optimizer imports torch._dynamo (1-2 s): once here, not in each child
+    importlib.import_module("torch._dynamo")
+    tasks = os.listdir("/proc/self/task")
+    if len(tasks) != 1:
+        raise RuntimeError(f"the fork server has {len(tasks)} threads; set OPENBLAS_NUM_THREADS=1")
+    child = 0
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "resume" and not child:
+            sys.stdout.flush()
+            child = os.fork()
+            if child == 0:
+                _forked(args[0], os.getppid())
+            print(f"forked {child}", flush=True)
+        elif command == "reap" and child:
+            _, status = os.waitpid(child, 0)
+            print(f"reaped {child} {os.waitstatus_to_exitcode(status)}", flush=True)
+            child = 0
+        else:
+            raise RuntimeError(f"unexpected {line!r} (child {child})")
+    if child:  # the caller is gone: so is the child
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(*sys.argv[1:])
