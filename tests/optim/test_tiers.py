@@ -11,7 +11,7 @@ import torch
 
 from tests.engine.policies import KeepEven
 from tests.optim.models import assert_same_params, assert_same_state
-from tierswap.engine import LRUPolicy
+from tierswap.engine import LookaheadPolicy, LRUPolicy
 from tierswap.optim import SwapOptimizer, _layout
 
 LAYERS = 8
@@ -126,6 +126,24 @@ def test_an_lru_instance_is_used_not_its_name(tmp_path) -> None:
         model.parameters(), swap_dir=tmp_path / "run", host_budget=STATE // 2, policy=Counting()
     ):
         assert Counting.calls > 0
+
+
+def test_a_lookahead_instance_places_as_the_name_does(tmp_path) -> None:
+    """Each tier replays its own copy of a policy instance (one instance shared by the device
+    and host replays kept fewer slices), and the caller's instance stays untouched."""
+    host, device = PLACEMENTS["device+host+nvme"]
+    mine = LookaheadPolicy()
+    placements = []
+    for name, policy in (("name", "lookahead"), ("instance", mine)):
+        model = Stack()
+        with SwapOptimizer(
+            model.parameters(), swap_dir=tmp_path / name, host_budget=host, device_budget=device,
+            policy=policy,
+        ) as opt:  # fmt: skip
+            placements.append(dict(opt.placement))
+    assert placements[0] == placements[1]
+    assert set(placements[0].values()) == {"device", "host"}
+    assert mine.schedule is None
 
 
 def test_load_snapshot_keeps_the_tiers(tmp_path) -> None:

@@ -18,7 +18,14 @@ from tierswap.engine._placement import kept, place
 from tierswap.engine._pool import BufferPool, allocate, base_bytes
 from tierswap.engine._staging import DeviceStaging, Staged
 from tierswap.engine.belady import CycleReads, simulate
-from tierswap.engine.policies import EvictionPolicy, LookaheadPolicy, LRUPolicy, make_policy
+from tierswap.engine.policies import (
+    EvictionPolicy,
+    LookaheadPolicy,
+    LRUPolicy,
+    ScheduledPolicy,
+    make_policy,
+    policy_per_tier,
+)
 from tierswap.engine.stats import CacheStats, TierStats
 from tierswap.engine.transfer import (
     CudaTransfers,
@@ -43,6 +50,7 @@ __all__ = [
     "Ledger",
     "LookaheadPolicy",
     "PassThrough",
+    "ScheduledPolicy",
     "Staged",
     "TierStats",
     "ToDevice",
@@ -55,6 +63,7 @@ __all__ = [
     "kept",
     "make_policy",
     "place",
+    "policy_per_tier",
     "simulate",
     "transfers_for",
     "upload",

@@ -18,23 +18,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tierswap.engine.policies import EvictionPolicy
+from tierswap.engine.policies import EvictionPolicy, ScheduledPolicy, policy_per_tier
 
 __all__ = ["place"]
 
 
 def place(
-    policies: Mapping[str, EvictionPolicy],
+    policy: str | EvictionPolicy,
     schedule: Sequence[str],
     sizes: Mapping[str, int],
     capacities: Mapping[str, int],
 ) -> dict[str, str]:
     """``{key: tier}`` for the items that stay resident, tiers taken in ``capacities``' order
-    (device first), each with its own ``policies[tier]`` replayed on the items left."""
+    (device first), each replaying its own copy of ``policy`` (:func:`policy_per_tier`) on the
+    items left."""
     placed: dict[str, str] = {}
     for tier, capacity in capacities.items():
         left = [key for key in schedule if key not in placed]
-        for key in kept(policies[tier], left, sizes, capacity):
+        for key in kept(policy_per_tier(policy), left, sizes, capacity):
             placed[key] = tier
     return placed
 
@@ -48,9 +49,8 @@ def kept(
         return []
     if sum(sizes[key] for key in schedule) <= capacity:
         return list(schedule)  # everything fits: nothing is ever evicted
-    set_schedule = getattr(policy, "set_schedule", None)
-    if callable(set_schedule) and getattr(policy, "schedule", None) is None:
-        set_schedule(list(schedule))  # a lookahead policy need not learn what is known
+    if isinstance(policy, ScheduledPolicy) and policy.schedule is None:
+        policy.set_schedule(list(schedule))  # a lookahead policy need not learn what is known
     held: dict[str, int] = {}
     used = 0  # sum(held.values()), kept as items come and go
     hits: list[str] = []

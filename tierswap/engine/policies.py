@@ -9,12 +9,15 @@ A policy sees the stream of accesses and answers two questions for :class:`TierC
   order, stopping at the first one that cannot get room yet.
 
 A policy is not thread-safe on its own: the cache calls it under its lock. One policy instance
-serves one cache.
+serves one cache; the optimizer's placement replays a copy of it per tier
+(:func:`policy_per_tier`). A policy that can be handed the schedule ahead declares it by
+:class:`ScheduledPolicy`.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -22,7 +25,14 @@ from typing import Protocol, runtime_checkable
 
 from tierswap.errors import ConfigError
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "LookaheadPolicy", "make_policy"]
+__all__ = [
+    "EvictionPolicy",
+    "LRUPolicy",
+    "LookaheadPolicy",
+    "ScheduledPolicy",
+    "make_policy",
+    "policy_per_tier",
+]
 
 NEVER = float("inf")
 
@@ -56,6 +66,22 @@ class EvictionPolicy(Protocol):
     def victim(self, candidates: Collection[str], incoming: str | None) -> str | None: ...
 
     def upcoming(self) -> Iterable[str]: ...
+
+
+@runtime_checkable
+class ScheduledPolicy(EvictionPolicy, Protocol):
+    """A policy that can be told the schedule ahead instead of learning it (lookahead).
+
+    ``schedule``
+        The schedule it holds, or ``None`` while it has none.
+    ``set_schedule(schedule)``
+        Replace it: the keys in the order they will be used, one cycle.
+    """
+
+    @property
+    def schedule(self) -> list[str] | None: ...
+
+    def set_schedule(self, schedule: Sequence[str]) -> None: ...
 
 
 class LRUPolicy:
@@ -262,3 +288,22 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
             f"policy={policy!r} lacks access/admit/forget/victim/upcoming; see EvictionPolicy"
         )
     return policy
+
+
+def policy_per_tier(policy: str | EvictionPolicy) -> EvictionPolicy:
+    """A policy of its own for one tier: a new one for a name, a copy of an instance.
+
+    A policy learns from what it sees (recency, a schedule), so one instance shared by two
+    tiers would let one tier's replay steer the other's: each tier takes its own, and the
+    caller's instance stays as it was.
+    """
+    chosen = make_policy(policy)
+    if isinstance(policy, str):
+        return chosen
+    try:
+        return copy.deepcopy(chosen)
+    except Exception as exc:  # a lock, a file, ... that cannot be copied
+        raise ConfigError(
+            f"policy={policy!r} cannot be copied for each tier ({type(exc).__name__}: {exc}); "
+            "pass a policy that copy.deepcopy can copy, or a name ('lru', 'lookahead')"
+        ) from exc

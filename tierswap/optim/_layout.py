@@ -11,7 +11,7 @@ import dataclasses
 from collections import defaultdict
 from typing import cast
 
-from tierswap.engine import EvictionPolicy, make_policy, place
+from tierswap.engine import EvictionPolicy, place
 from tierswap.optim._partition import (
     Slice,
     Slot,
@@ -137,13 +137,10 @@ def plan_layout(
         capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
     in_flight = STREAM_SLICES * largest if stream else 0
     capacities[HOST] = budget - max(stream, in_flight + work_buffer)
-    policies = {
-        tier: make_policy(policy) if isinstance(policy, str) else policy for tier in capacities
-    }
     sizes = {str(piece.index): held(piece) for piece in slices}
     order = slices[::-1] if forward_order else slices
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
-    placed = place(policies, schedule, sizes, capacities)
+    placed = place(policy, schedule, sizes, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
     return Layout(list(slots), slices, placement, chunk, budget)
 
