@@ -2,7 +2,8 @@
 recovers to a commit, bit for bit (the harness is in :mod:`tests.store.powerloss`).
 
 The default run checks a few commits of each scenario; the slow suite checks over twenty
-commits, under both persistence models, and a longer training run.
+commits under both persistence models, a longer training run, and power cuts during twenty
+recoveries of each scenario.
 """
 
 from __future__ import annotations

@@ -6,5 +6,7 @@ cut may leave between its sync barriers, and check that the store recovers from 
 - :mod:`.model` builds the crash states from those operations under a stated persistence model
   and writes each one to disk;
 - :mod:`.child` holds the traced scenarios (store commits, a folder list, snapshots, a
-  training run) and the planted ordering bug the harness must find.
+  training run, the reopen that recovers) and the planted ordering bug the harness must find;
+- :mod:`.check` records a scenario and checks every crash state, and those of a power cut
+  during the recovery.
 """
