@@ -129,8 +129,7 @@ def commit(
     hyper-parameters of ``groups``; flush the resident slices; commit. Returns the generation."""
     drain_writes(backend, step_state)
     if step_state.failed:
-        meta = backend.committed_meta()
-        committed = 0 if meta is None else int(meta.get("steps", 0))
+        committed = _steps_of(backend.committed_meta())
         raise FailedStepError(
             f"swap_dir {str(backend.path)!r}: a step failed part-way and left the state between "
             "two steps, so it is not committed; load a state (load_state_dict, load_snapshot) "
@@ -177,6 +176,11 @@ def drain_writes(backend: StateBackend, step_state: StepState) -> None:
         raise
 
 
+def _steps_of(meta: dict[str, Any] | None) -> int:
+    """The step count a commit's metadata holds (0: no commit yet)."""
+    return 0 if meta is None else int(meta.get("steps", 0))
+
+
 def final_commit(
     backend: StateBackend, config: SwapConfig, step_state: StepState, commit: Callable[[], object]
 ) -> None:
@@ -186,7 +190,7 @@ def final_commit(
     if backend.closed or not config.durable or config.swap_dir is None:
         return  # closed already, a scratch store, or a temporary folder that close() removes
     meta = backend.committed_meta()
-    committed = 0 if meta is None else int(meta.get("steps", 0))
+    committed = _steps_of(meta)
     if committed == step_state.steps and not step_state.changed:
         return
     where = f"swap_dir {str(backend.path)!r}"

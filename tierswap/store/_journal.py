@@ -99,7 +99,9 @@ def fsync_dir(path: Path) -> None:
 def mkdirs_durable(path: Path) -> None:
     """Create folder ``path`` and its missing parents, and make their entries durable: a
     marker that names a folder must not outlive the folder itself after a power cut."""
-    if path.exists() and not path.is_dir():
+    if path.is_dir():
+        return  # the common case (a chunk's staging folder): one stat
+    if path.exists():
         raise FileExistsError(errno.EEXIST, "a file exists where a directory should be", str(path))
     missing = []
     while not path.exists():
@@ -165,16 +167,17 @@ def roll_forward(
     roots = _roots(root)
     touched = _remove_superseded(roots, plan)
     spares = dict(plan.recycle)
-    pending = [(s, d) for s, d in plan.moves if locate(roots, s).exists()]
+    # not yet moved (a crash may have moved the old version aside only)
+    pending = {(src, dst) for src, dst in plan.moves if locate(roots, src).exists()}
     # A staged file moved into a folder whose own entry is not yet durable could vanish with
     # that folder in a power cut, while the journal says it moved: folders first, durably.
-    for _src, dst_rel in pending:
-        mkdirs_durable(locate(roots, dst_rel).parent)
-        if dst_rel in spares:
-            mkdirs_durable(locate(roots, spares[dst_rel]).parent)
+    folders = {locate(roots, dst).parent for _src, dst in pending}
+    folders |= {locate(roots, spares[dst]).parent for _src, dst in pending if dst in spares}
+    for folder in sorted(folders):
+        mkdirs_durable(folder)
     for src_rel, dst_rel in plan.moves:
         src, dst = locate(roots, src_rel), locate(roots, dst_rel)
-        if src.exists():  # not yet moved: a crash may have moved the old version aside only
+        if (src_rel, dst_rel) in pending:
             spare_rel = spares.get(dst_rel)
             if spare_rel is not None and dst.exists():
                 spare = locate(roots, spare_rel)
