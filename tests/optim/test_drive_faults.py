@@ -129,6 +129,19 @@ def test_eio_in_step_names_the_key_and_the_resume_is_bit_exact(
     assert _resume_exact(tmp_path / "run") == completed
 
 
+def _two_steps_then_fail(
+    swap_dir: Path, fail: dict[str, set[int]]
+) -> tuple[torch.nn.Module, SwapOptimizer]:
+    """An optimizer that took two whole steps, with ``fail`` (as :func:`inject` takes it)
+    armed at its store for the third."""
+    _, model = make_models()
+    opt = _optimizer(model, swap_dir)
+    for step in range(2):
+        train_step(model, opt, batch_for_step(step))
+    inject(opt._backend.store, fail=fail)
+    return model, opt
+
+
 def _calls_of_a_step(swap_dir: Path, job: str) -> int:
     """How many ``job`` calls the third step makes (the first two create and fill state)."""
     _, model = make_models()
@@ -154,11 +167,7 @@ def test_each_call_of_a_step_failing_in_turn_keeps_the_resume_exact(
     assert calls >= 7
     for call in range(1, calls + 1):
         swap_dir = tmp_path / f"call{call}"
-        _, model = make_models()
-        opt = _optimizer(model, swap_dir)
-        for step in range(2):
-            train_step(model, opt, batch_for_step(step))
-        inject(opt._backend.store, fail={job: {call}})
+        model, opt = _two_steps_then_fail(swap_dir, {job: {call}})
         with pytest.raises(OSError, match="Input/output error") as info:
             train_step(model, opt, batch_for_step(2))
         assert KEY_IN_MESSAGE.search(str(info.value)), (call, info.value)
@@ -174,11 +183,7 @@ def test_a_commit_after_a_failed_step_is_refused_until_a_whole_state_is_loaded(
     commit() (or snapshot()) refuses to keep that mix, and the folder stays at its last
     commit; after load_state_dict of a whole state, commits work again."""
     _use_io(monkeypatch, tmp_path, "on")
-    _, model = make_models()
-    opt = _optimizer(model, tmp_path / "run")
-    for step in range(2):
-        train_step(model, opt, batch_for_step(step))
-    inject(opt._backend.store, fail={"write_file": {2}})
+    model, opt = _two_steps_then_fail(tmp_path / "run", {"write_file": {2}})
     with pytest.raises(OSError, match="Input/output error"):
         train_step(model, opt, batch_for_step(2))
     remove(opt._backend.store)
@@ -202,11 +207,7 @@ def test_eio_in_the_commit_of_a_step_and_the_resume_is_bit_exact(
     """Buffered I/O: a staged document's sync fails before the commit point; the store is at
     the last commit and close() commits the finished step."""
     _use_io(monkeypatch, tmp_path, "off")
-    _, model = make_models()
-    opt = _optimizer(model, tmp_path / "run")
-    for step in range(2):
-        train_step(model, opt, batch_for_step(step))
-    inject(opt._backend.store, fail={"fdatasync_path": {1}})
+    model, opt = _two_steps_then_fail(tmp_path / "run", {"fdatasync_path": {1}})
     with pytest.raises(OSError, match="Input/output error while committing store") as info:
         train_step(model, opt, batch_for_step(2))
     assert repr(str(tmp_path / "run")) in str(info.value)
@@ -223,11 +224,7 @@ def test_eio_past_the_commit_point_of_a_step_and_the_resume_finishes_it(
     (the store waits for a reopen) and says that the resume finishes the commit (it used to
     say the resume continues from the step before), which the resume does."""
     _use_io(monkeypatch, tmp_path, "off")
-    _, model = make_models()
-    opt = _optimizer(model, tmp_path / "run")
-    for step in range(2):
-        train_step(model, opt, batch_for_step(step))
-    inject(opt._backend.store, fail={"fsync_dir": {1}})
+    model, opt = _two_steps_then_fail(tmp_path / "run", {"fsync_dir": {1}})
     with pytest.raises(OSError, match="Input/output error while committing store"):
         train_step(model, opt, batch_for_step(2))
     remove(opt._backend.store)

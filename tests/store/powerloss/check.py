@@ -41,7 +41,6 @@ class Recording:
     base: Path
     trace: crash_model.Trace
     expected: dict[int, dict[str, str]]
-    direct: bool | None
 
     @property
     def commits(self) -> int:
@@ -74,7 +73,7 @@ def record(scenario: str, work: Path, *, commits: int, planted: bool = False) ->
     raw, events = _traced_child(scenario, base, options)
     trace = crash_model.build(events, base)
     expected = {int(g): d for g, d in raw["generations"].items()}
-    return Recording(scenario, base, trace, expected, raw.get("direct"))
+    return Recording(scenario, base, trace, expected)
 
 
 def _traced_child(

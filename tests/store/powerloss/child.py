@@ -93,7 +93,6 @@ def store_args(scenario: str, base: Path) -> tuple[Any, Path, IOConfig]:
 def run_store(scenario: str, base: Path, out: dict[str, Any], commits: int) -> None:
     paths, _home, io = store_args(scenario, base)
     with SwapStore(paths, chunk_bytes=CHUNK, io=io) as store:
-        out["direct"] = store.direct
         for gen in range(1, commits + 1):
             edit(store, gen)
             marker(f"commit-start/{gen}")
