@@ -140,6 +140,9 @@ class FaultyStore:
             raise fault
         self.inner.put(key, tensor)
 
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
     def info(self, key: str) -> Any:
         return self.inner.info(key)
 

@@ -1,19 +1,13 @@
-"""The pipeline's parts on their own: the jobs' host buffers and the write-behinds."""
+"""The pipeline's parts on their own: the jobs' host buffers and the work buffer."""
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
-from pathlib import Path
 
-import pytest
 import torch
 
-import tierswap as ts
 from tierswap.engine import Ledger
-from tierswap.pipeline import Region
 from tierswap.pipeline._buffers import JobBuffers
-from tierswap.pipeline._writes import WriteBehind
 
 PAGE = 4096
 
@@ -77,55 +71,3 @@ def test_the_work_buffer_is_held_until_dropped() -> None:
     assert claimed is not None
     assert claimed[0] is not None
     assert claimed[0].data_ptr() == work.data_ptr()
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    with ts.SwapStore(tmp_path / "s", chunk_bytes=PAGE) as store:
-        store.put("x", torch.zeros(4096))
-        yield store
-
-
-def test_a_write_waits_for_its_copy_and_blocks_reads_of_its_regions(store) -> None:
-    cv = threading.Condition()
-    writes = WriteBehind(store, cv)
-    landed: Future[None] = Future()
-    ended = threading.Event()
-    writes.start(landed, {Region("x", 0, 1024): torch.ones(1024)}, then=ended.set)
-    with cv:
-        assert writes.in_flight
-    assert writes.unsent_to([Region("x", 1000, 2000)])  # overlaps: a read must wait
-    assert not writes.unsent_to([Region("x", 1024, 2000)])
-    assert not ended.is_set()
-    landed.set_result(None)  # the copy back from the device landed: the write starts
-    writes.wait()
-    assert ended.is_set()
-    assert not writes.unsent_to([Region("x", 0, 1)])
-    with cv:
-        assert not writes.in_flight
-    assert torch.equal(store.get("x")[:1024], torch.ones(1024))
-
-
-def test_a_failed_write_is_raised_once_and_its_end_still_runs(store) -> None:
-    writes = WriteBehind(store, threading.Condition())
-    landed: Future[None] = Future()
-    ended = threading.Event()
-    writes.start(landed, {Region("x", 0, 4): torch.ones(4)}, then=ended.set)
-    landed.set_exception(RuntimeError("copy failed"))
-    writes.wait()
-    assert ended.is_set()
-    with pytest.raises(RuntimeError, match="copy failed"):
-        writes.raise_errors()
-    writes.raise_errors()  # raised once
-
-
-def test_a_write_that_cannot_start_raises_at_once_and_records_nothing(store) -> None:
-    cv = threading.Condition()
-    writes = WriteBehind(store, cv)
-    done: Future[None] = Future()
-    done.set_result(None)
-    with pytest.raises(ts.errors.KeyNotFoundError):
-        writes.start(done, {Region("missing", 0, 4): torch.ones(4)}, then=lambda: None)
-    with cv:
-        assert not writes.in_flight
-    writes.raise_errors()

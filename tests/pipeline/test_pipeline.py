@@ -132,14 +132,21 @@ def test_failing_work_and_writes_release_everything(store) -> None:
     assert torch.equal(store.get("a"), torch.arange(100.0))
 
 
-def test_a_write_that_cannot_start_releases_the_job(store) -> None:
+def test_a_write_that_cannot_start_fails_as_a_write_behind_and_releases_the_job(store) -> None:
     pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
 
     def to_a_missing_key(job, tensors):
         return {Region("missing", 0, 1): torch.zeros(1)}
 
+    pipeline.run(_jobs()[:1], to_a_missing_key)  # the write is behind the work
     with pytest.raises(KeyError):
-        pipeline.run(_jobs()[:1], to_a_missing_key)
+        pipeline.drain()
+    pipeline.drain()  # raised once
+    pipeline.release()
+    assert pipeline.held == 0
+    with pytest.raises(KeyError):  # the next job's turn raises a failure not raised yet
+        pipeline.run(_jobs()[:2], to_a_missing_key)
+    pipeline.drain()
     pipeline.release()
     assert pipeline.held == 0
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,13 @@ class FlakyStore:
         self.fail_next_read = False
         self.delay = 0.0
         self.writes_failed = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flaky-store")
 
     def info(self, key: str) -> Any:
         return self.inner.info(key)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
 
     def get_region_async(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:
         if self.fail_next_read:
@@ -62,17 +65,18 @@ class FlakyStore:
         return self._later(lambda: self.inner.put_region(key, start, data))
 
     def _later(self, call: Any) -> Future[Any]:
-        future: Future[Any] = Future()
+        """``call()`` after the delay, on the store's one worker: in the order the calls were
+        made, as the real store orders a read after the writes started before it (a thread per
+        call would let a read overtake the write it must see)."""
 
-        def run() -> None:
+        def run() -> Any:
             time.sleep(self.delay)
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
+            return call()
 
-        threading.Thread(target=run, daemon=True).start()
-        return future
+        return self._worker.submit(run)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
 
 
 def _failed(error: BaseException) -> Future[Any]:
@@ -198,6 +202,7 @@ class PipelineMachine(RuleBasedStateMachine):
             self.pipeline.drain()
         except OSError:
             pass
+        self.store.close()
         self.inner.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.transfers is not None:

@@ -41,6 +41,9 @@ class LoggedStore:
     def info(self, key: str) -> Any:
         return self._store.info(key)
 
+    def stats(self) -> dict[str, int]:
+        return self._store.stats()
+
     def get_region_async(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:
         future = self._store.get_region_async(key, start, stop, out=out)
         future.exception()

@@ -10,8 +10,7 @@ import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,25 +27,16 @@ from tierswap.cache._tiers import (
     WriteBack,
 )
 from tierswap.config import format_size
-from tierswap.engine import Transfers, allocate, download, upload
+from tierswap.engine import Disk, StoreProtocol, Transfers, allocate, download, upload
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import BudgetError, ConfigError
 from tierswap.tiers import DEVICE, HOST, TierName
 
-if TYPE_CHECKING:
-    from tierswap.store import ArrayInfo
 
-
-class CacheStore(Protocol):
-    """What a tier cache needs from the store under it (a :class:`~tierswap.SwapStore`)."""
-
-    def info(self, key: str) -> ArrayInfo: ...
-
-    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]: ...
-
-    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]: ...
-
-    def put(self, key: str, tensor: torch.Tensor) -> None: ...
+class CacheStore(StoreProtocol, Protocol):
+    """What a tier cache needs from the store under it (a :class:`~tierswap.SwapStore`): the
+    engine's store protocol (its bytes move through a :class:`~tierswap.engine.Disk`), and
+    deletes and membership."""
 
     def delete(self, key: str) -> None: ...
 
@@ -57,8 +47,9 @@ class CacheCore:
     """Which item is in which tier, the room each needs, and the I/O that fills and empties them.
 
     Owns the item metadata, the write-backs in flight (``write_backs``: reads of those keys wait
-    for them), the callers blocked for room, the disk counters and the errors of background
-    writes. Holds the :class:`Tier` books and the :class:`Gate` it is given.
+    for them), the callers blocked for room, and the engine :class:`~tierswap.engine.Disk` its
+    reads and writes go through (which keeps the errors of background writes, raised once).
+    Holds the :class:`Tier` books and the :class:`Gate` it is given.
 
     Every method expects the gate's lock held unless it says otherwise. Store calls are deferred
     to the gate; their completions (``_loaded``, ``_written``, ``_flushed``) take the lock.
@@ -76,6 +67,7 @@ class CacheCore:
         transfers: Transfers,
     ) -> None:
         self.store = store
+        self.disk = Disk(store, gate.cv)
         self.transfers = transfers  # host <-> device copies (the engine's one path for them)
         self.policy = policy
         self.tiers = tiers
@@ -84,10 +76,8 @@ class CacheCore:
         self.meta: dict[str, Meta] = {}
         self.write_backs: dict[str, WriteBack] = {}
         self.blocked: set[int] = set()  # threads waiting for room (pin deadlock detection)
-        self.disk = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
         self._demand_keys: Counter[str] = Counter()  # keys that blocked callers wait for
         self._queued = queued
-        self._errors: list[BaseException] = []
 
     # ---------------------------------------------------------------- lookups
     def find(self, key: str) -> Entry | None:
@@ -144,25 +134,9 @@ class CacheCore:
         """A use of ``key`` at ``target``: a hit where it is, a miss in the tiers it is not."""
         entry = self.find(key)
         where = entry.tier if entry is not None else None
-        self.tiers[target].ledger.hits += where == target
-        self.tiers[target].ledger.misses += where != target
+        self.tiers[target].ledger.count_use(hit=where == target)
         if target == DEVICE and where != DEVICE and self.tiers[HOST].enabled:
-            self.tiers[HOST].ledger.hits += where == HOST
-            self.tiers[HOST].ledger.misses += where != HOST
-
-    def count_io(self, kind: str, nbytes: int) -> None:
-        if kind == "read":
-            self.disk["bytes_read"] += nbytes
-            self.disk["reads"] += 1
-        else:
-            self.disk["bytes_written"] += nbytes
-            self.disk["writes"] += 1
-
-    def raise_errors(self) -> None:
-        """Raise the first background write that failed since the last call."""
-        if self._errors:
-            first, self._errors = self._errors[0], []
-            raise first
+            self.tiers[HOST].ledger.count_use(hit=where == HOST)
 
     # ---------------------------------------------------------------- room
     def reserve(
@@ -316,8 +290,8 @@ class CacheCore:
         buf = self._buffer(dst, entry.meta)
         self.copy_into(buf, target, entry.tensor, from_device=entry.tier == DEVICE)
         src.discard(entry)
-        src.ledger.bytes_out += entry.meta.nbytes
-        dst.ledger.bytes_in += entry.meta.nbytes
+        src.ledger.count_moved(out=entry.meta.nbytes)
+        dst.ledger.count_moved(into=entry.meta.nbytes)
         entry.tier, entry.tensor = target, buf
         dst.add(entry)
 
@@ -391,8 +365,8 @@ class CacheCore:
         wb = self.write_backs.pop(key)
         if not wb.through:  # the replaced dirty entry: freed once written, back on failure
             self.tiers[wb.entry.tier].end_write(wb, failed=not ok, earmark=False)
-        if ok:
-            self.count_io("written", meta.nbytes)
+        if ok:  # the key's metadata is that of the value written
+            pass
         elif not wb.through:
             self.meta[key] = wb.entry.meta
         elif stored is not None:  # the store still holds the old value
@@ -405,7 +379,7 @@ class CacheCore:
     def _launch_load(self, entry: Entry) -> None:
         direct = not self._through_transfers(entry)  # the store reads into the entry's memory
         try:
-            future = self.store.get_async(entry.key, out=entry.tensor if direct else None)
+            future = self.disk.read(entry.key, out=entry.tensor if direct else None)
         except BaseException as exc:
             self._loaded(entry, None, exc)
             return
@@ -426,64 +400,38 @@ class CacheCore:
         with self.cv:
             if error is None:
                 entry.state = READY
-                self.count_io("read", entry.meta.nbytes)
-                self.tiers[entry.tier].ledger.bytes_in += entry.meta.nbytes
+                self.tiers[entry.tier].ledger.count_moved(into=entry.meta.nbytes)
             else:
                 entry.state, entry.error = FAILED, error
                 self.discard(entry)
             self.gate.wake()
 
     def _launch_write(self, wb: WriteBack) -> None:
-        try:
-            future = self.store.put_async(wb.entry.key, wb.entry.tensor)
-        except BaseException as exc:
-            self._written(wb, None, exc)
-            return
-        future.add_done_callback(lambda f: self._written(wb, f, None))
+        self.disk.write({wb.entry.key: wb.entry.tensor}, then=lambda e: self._written(wb, e))
 
-    def _written(self, wb: WriteBack, future: Any, error: BaseException | None) -> None:
-        """A write-back ended: a failed one keeps the data (back in its tier, dirty) and is
-        reported by the next call; a written one frees or earmarks its bytes."""
-        error = _result_error(future, error)
+    def _written(self, wb: WriteBack, error: BaseException | None) -> None:
+        """A write-back ended: a failed one keeps the data (back in its tier, dirty; the disk
+        reports it to the next call); a written one frees or earmarks its bytes."""
         entry = wb.entry
         with self.cv:
             t = self.tiers[entry.tier]
             del self.write_backs[entry.key]
             earmark = error is None and wb.for_key is not None and self.wants(wb.for_key)
             t.end_write(wb, failed=error is not None, earmark=earmark)
-            if error is not None:
-                self._errors.append(error)
-            else:
-                self.count_io("written", entry.meta.nbytes)
-                t.ledger.bytes_out += entry.meta.nbytes
+            if error is None:
+                t.ledger.count_moved(out=entry.meta.nbytes)
             self.gate.wake()
 
     def _launch_flush(self, entry: Entry) -> None:
-        try:
-            future = self.store.put_async(entry.key, entry.tensor)
-        except BaseException as exc:
-            self._flushed(entry, None, exc)
-            return
-        future.add_done_callback(lambda f: self._flushed(entry, f, None))
+        self.disk.write({entry.key: entry.tensor}, then=lambda e: self._flushed(entry, e))
 
-    def _flushed(self, entry: Entry, future: Any, error: BaseException | None) -> None:
-        error = _result_error(future, error)
+    def _flushed(self, entry: Entry, error: BaseException | None) -> None:
+        """A flush ended: the entry stays, clean once written, dirty again when it failed (the
+        disk reports that failure to the next call)."""
         with self.cv:
             entry.state = READY
             if error is None:
-                self.count_io("written", entry.meta.nbytes)
-                self.tiers[entry.tier].ledger.bytes_out += entry.meta.nbytes
+                self.tiers[entry.tier].ledger.count_moved(out=entry.meta.nbytes)
             else:
                 entry.dirty = True
-                self._errors.append(error)
             self.gate.wake()
-
-
-def _result_error(future: Any, error: BaseException | None) -> BaseException | None:
-    if future is None:
-        return error
-    try:
-        future.result()
-    except BaseException as exc:
-        return exc
-    return None

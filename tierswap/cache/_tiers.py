@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tierswap.config import ALIGN, round_up
 from tierswap.engine import Ledger
 from tierswap.engine.policies import EvictionPolicy
+from tierswap.io import footprint
 from tierswap.tiers import MEMORY_TIERS, TierName
 
 TIERS = MEMORY_TIERS
@@ -25,11 +25,6 @@ LOADING = "loading"  # bytes reserved, a read from the store is filling the tens
 READY = "ready"  # the tensor holds the item's value
 FLUSHING = "flushing"  # ready, and a flush is writing it to the store (not evictable meanwhile)
 FAILED = "failed"  # the read failed; `error` says why (the entry is no longer in its tier)
-
-
-def footprint(nbytes: int) -> int:
-    """Bytes an item occupies in a tier: buffers are whole 4 KiB pages (O_DIRECT alignment)."""
-    return round_up(nbytes, ALIGN) if nbytes else 0
 
 
 @dataclasses.dataclass(frozen=True)

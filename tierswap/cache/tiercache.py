@@ -190,7 +190,7 @@ class TierCache:
         """
         ok = False
         try:
-            self.store.put(key, tensor)
+            self._core.disk.put(key, tensor)
             ok = True
         finally:
             stored = None if ok else self._core.stored_meta(key)
@@ -236,7 +236,7 @@ class TierCache:
                     self._gate.wait()
             while key in self._core.write_backs:
                 self._gate.wait()
-            self._core.raise_errors()
+            self._core.disk.raise_errors()
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the cache and the store (no write-back)."""
@@ -263,22 +263,16 @@ class TierCache:
             flushing = self._core.start_flush()
             while self._core.write_backs or any(e.state == FLUSHING for e in flushing):
                 self._gate.wait()
-            self._core.raise_errors()
+            self._core.disk.raise_errors()
 
     def stats(self) -> CacheStats:
         """A snapshot of hits, misses, bytes used per tier (the tiers' ledgers), NVMe bytes and
         stall time."""
         with self._cv:
-            disk = self._core.disk
-            return CacheStats(
-                device=self._tiers[DEVICE].ledger.stats(),
-                host=self._tiers[HOST].ledger.stats(),
-                nvme_bytes_read=disk["bytes_read"],
-                nvme_bytes_written=disk["bytes_written"],
-                nvme_reads=disk["reads"],
-                nvme_writes=disk["writes"],
-                stall_seconds=self._gate.stall_seconds,
-            )
+            return CacheStats.of(
+                self._tiers[DEVICE].ledger, self._tiers[HOST].ledger,
+                self._core.disk.traffic(), self._gate.stall_seconds,
+            )  # fmt: skip
 
     def where(self, key: str) -> str | None:
         """``"device"``, ``"host"`` (resident or being read in), or ``None``."""
@@ -377,7 +371,7 @@ class TierCache:
         owned: Entry | None = None  # a read this call started; claimed until it is ready
         try:
             while True:
-                self._core.raise_errors()
+                self._core.disk.raise_errors()
                 entry = self._core.find(key)
                 if entry is None and waited is not None and waited.state == FAILED:
                     raise waited.error  # type: ignore[misc]
@@ -456,7 +450,7 @@ class TierCache:
         write-back reported here, pins) leaves the key its value.
         """
         while True:
-            self._core.raise_errors()
+            self._core.disk.raise_errors()
             entry = self._core.find(key)
             if entry is not None and entry.tier == target and entry.meta == meta:
                 # same shape: update in place, pinned or not

@@ -6,13 +6,24 @@ page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choos
 resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), one
 allocator for a tier's buffers (:func:`allocate`: the pool's, and the cache's items), and one
 statistics type (:class:`TierStats`, :class:`CacheStats`), and the transfers: disk <-> host
-through the store's async calls, host <-> device through :mod:`~tierswap.engine.transfer`
+through one :class:`Disk` per front end (reads into reserved buffers, write-behind raised
+once, reads ordered after the writes they overlap), host <-> device through
+:mod:`~tierswap.engine.transfer`
 (side streams and events on CUDA; :class:`DeviceStaging` keeps a front end's work on the
 device within the device ledger). Nothing here imports a front end.
 """
 
 from __future__ import annotations
 
+from tierswap.engine._disk import (
+    Disk,
+    Region,
+    StoreProtocol,
+    Target,
+    nbytes_of,
+    overlap,
+    write_regions,
+)
 from tierswap.engine._ledger import Ledger
 from tierswap.engine._placement import kept, place
 from tierswap.engine._pool import BufferPool, allocate, base_bytes
@@ -45,13 +56,17 @@ __all__ = [
     "CudaTransfers",
     "CycleReads",
     "DeviceStaging",
+    "Disk",
     "EvictionPolicy",
     "LRUPolicy",
     "Ledger",
     "LookaheadPolicy",
     "PassThrough",
+    "Region",
     "ScheduledPolicy",
     "Staged",
+    "StoreProtocol",
+    "Target",
     "TierStats",
     "ToDevice",
     "ToHost",
@@ -62,9 +77,12 @@ __all__ = [
     "download",
     "kept",
     "make_policy",
+    "nbytes_of",
+    "overlap",
     "place",
     "policy_per_tier",
     "simulate",
     "transfers_for",
     "upload",
+    "write_regions",
 ]

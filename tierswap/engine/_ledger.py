@@ -25,8 +25,8 @@ class Ledger:
     too. So the tier's memory never exceeds its budget, whatever the disk's speed.
 
     The ledger also counts what the tier serves: ``hits`` / ``misses`` (a use found the data
-    here, or had to bring it in) and ``bytes_in`` / ``bytes_out`` (bytes moved into and out of
-    the tier).
+    here, or had to bring it in: :meth:`count_use`) and ``bytes_in`` / ``bytes_out`` (bytes
+    moved into and out of the tier: :meth:`count_moved`). Only its own methods change them.
 
     Thread safety: every method takes ``cv``; a front end passes its own condition so that its
     state and its ledgers change under one lock (``reserve`` then waits on that condition, so
@@ -85,6 +85,21 @@ class Ledger:
         with self.cv:
             self._change(-nbytes)
             self.cv.notify_all()
+
+    def count_use(self, *, hit: bool) -> None:
+        """A use of data at this tier: found here (``hit``), or brought in."""
+        with self.cv:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+
+    def count_moved(self, *, into: int = 0, out: int = 0) -> None:
+        """Bytes moved into this tier (read from below, copied from the other tier) and out
+        of it (written down, copied to the other tier)."""
+        with self.cv:
+            self.bytes_in += into
+            self.bytes_out += out
 
     def _change(self, delta: int) -> None:
         used = self.used + delta

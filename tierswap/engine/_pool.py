@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tierswap.config import ALIGN, round_up
-from tierswap.io import aligned_empty
+from tierswap.config import ALIGN
+from tierswap.io import aligned_empty, footprint
 
 __all__ = ["BufferPool", "allocate", "base_bytes"]
 
@@ -34,7 +34,7 @@ class BufferPool:
         return self._idle
 
     def take(self, nbytes: int) -> torch.Tensor:
-        capacity = max(round_up(nbytes, ALIGN), ALIGN)
+        capacity = footprint(nbytes)
         free = self._free.get(capacity)
         if free:
             self._idle -= capacity
@@ -47,7 +47,7 @@ class BufferPool:
         bytes next, or gives them back with :meth:`give_all`."""
         claimed: list[torch.Tensor | None] = []
         for nbytes in sizes:
-            capacity = max(round_up(nbytes, ALIGN), ALIGN)
+            capacity = footprint(nbytes)
             free = self._free.get(capacity)
             claimed.append(free.pop() if free else None)
             if claimed[-1] is not None:

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from tierswap.engine._disk import nbytes_of
 from tierswap.engine._ledger import Ledger
 from tierswap.engine.transfer import ToDevice, Transfers
 from tierswap.io import gather
@@ -71,7 +72,7 @@ class DeviceStaging(Generic[K]):
             self.release(nbytes)
             raise
         with self._ledger.cv:
-            self._ledger.bytes_in += _nbytes(host_tensors)
+            self._ledger.count_moved(into=nbytes_of(host_tensors))
         return Staged(copies, nbytes, gather([c.done for c in copies.values()]))
 
     def ahead(self, name: Hashable, nbytes: int, host_tensors: Mapping[K, torch.Tensor]) -> None:
@@ -122,7 +123,7 @@ class DeviceStaging(Generic[K]):
         done = gather([staged.read, landed])
         with self._ledger.cv:
             self._pending += 1
-            self._ledger.bytes_out += moved
+            self._ledger.count_moved(out=moved)
 
         def release(_: Future[Any]) -> None:
             with self._ledger.cv:  # one section: a waiter never sees neither pending nor freed
@@ -154,7 +155,3 @@ class DeviceStaging(Generic[K]):
             landing = self._landing.pop(each, None)
             if landing is not None:
                 landing.result()
-
-
-def _nbytes(tensors: Mapping[Any, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -4,9 +4,13 @@ the optimizer on it) report: per tier hits, misses, bytes held and moved; disk t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from tierswap.tiers import DEVICE, HOST, NVME
+
+if TYPE_CHECKING:
+    from tierswap.engine._ledger import Ledger
 
 __all__ = ["CacheStats", "TierStats"]
 
@@ -33,7 +37,9 @@ class TierStats:
 
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
-    """A snapshot of a cache's counters since it was made.
+    """A snapshot of a front end's counters since it was made: the one shape of
+    :meth:`TierCache.stats`, :meth:`Pipeline.stats` and (as a dict)
+    :meth:`SwapOptimizer.tier_stats`.
 
     Parameters
     ----------
@@ -41,12 +47,13 @@ class CacheStats:
         Per-tier hits, misses, bytes used and budget. A ``get`` at a tier is a hit when the item
         is resident there or already being read into it (a prefetch in flight), else a miss.
     nvme_bytes_read, nvme_bytes_written:
-        Bytes this cache read from and wrote to the store (not other users of the store).
+        Bytes the store read and wrote since the front end was made, as the store counts them
+        (:meth:`~tierswap.engine.Disk.traffic`: each chunk file's bytes; the store's own
+        counters, so other users of the store count too).
     nvme_reads, nvme_writes:
-        The same as item counts.
+        Chunk files read and written.
     stall_seconds:
-        Time callers spent blocked in ``get``/``pinned``/``put`` waiting for reads or
-        write-backs in flight.
+        Time callers spent blocked waiting for reads or write-backs in flight.
     """
 
     device: TierStats
@@ -56,6 +63,21 @@ class CacheStats:
     nvme_reads: int = 0
     nvme_writes: int = 0
     stall_seconds: float = 0.0
+
+    @classmethod
+    def of(
+        cls, device: Ledger, host: Ledger, traffic: Mapping[str, int], stall_seconds: float
+    ) -> CacheStats:
+        """The stats of a front end with these ledgers and disk ``traffic``."""
+        return cls(
+            device=device.stats(),
+            host=host.stats(),
+            nvme_bytes_read=traffic.get("bytes_read", 0),
+            nvme_bytes_written=traffic.get("bytes_written", 0),
+            nvme_reads=traffic.get("reads", 0),
+            nvme_writes=traffic.get("writes", 0),
+            stall_seconds=stall_seconds,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """``{"device": {...}, "host": {...}, "nvme": {...}, "stall_seconds": s}``."""

@@ -9,7 +9,7 @@ store's layout: callers pass it the paths it reads and writes.
 
 from __future__ import annotations
 
-from tierswap.io._buffers import aligned_empty, cuda_pinning_available, is_aligned
+from tierswap.io._buffers import aligned_empty, cuda_pinning_available, footprint, is_aligned
 from tierswap.io._engine import IOEngine, crc_of, gather, translate_os_error, zeros_crc
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "aligned_empty",
     "crc_of",
     "cuda_pinning_available",
+    "footprint",
     "gather",
     "is_aligned",
     "translate_os_error",

@@ -14,7 +14,15 @@ import torch
 
 from tierswap.config import ALIGN, round_up
 
-__all__ = ["aligned_empty", "cuda_pinning_available", "is_aligned"]
+__all__ = ["aligned_empty", "cuda_pinning_available", "footprint", "is_aligned"]
+
+
+def footprint(nbytes: int) -> int:
+    """Bytes a buffer of ``nbytes`` occupies in memory: whole 4 KiB pages, at least one (the
+    O_DIRECT alignment; :func:`aligned_empty` allocates that much). The one rule the tiers'
+    budgets count by."""
+    return max(round_up(nbytes, ALIGN), ALIGN)
+
 
 _HUGE_PAGE = 2 << 20
 
@@ -37,7 +45,7 @@ def aligned_empty(
     for dim in shape:
         numel *= dim
     nbytes = numel * dtype.itemsize
-    capacity = max(round_up(nbytes, ALIGN), ALIGN)
+    capacity = footprint(nbytes)
     pin = cuda_pinning_available() if pin is None else pin
     if pin:
         raw = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)

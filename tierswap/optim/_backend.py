@@ -23,7 +23,6 @@ from tierswap.engine import Transfers
 from tierswap.optim.distributed import rank_swap_dir
 from tierswap.pipeline import Pipeline, Region, write_regions
 from tierswap.store import check_apart, replace_with_snapshot
-from tierswap.tiers import DEVICE, HOST, NVME
 
 if TYPE_CHECKING:
     from tierswap.store import StorePaths, SwapStore
@@ -209,14 +208,7 @@ class StateBackend:
         """What each tier holds and served: the device and host tiers' ledgers (used, budget,
         hits, misses, bytes in and out), the store's disk traffic, the seconds spent waiting
         for reads."""
-        pipeline = self.pipeline
-        tiers = pipeline.tier_stats()
-        return {
-            DEVICE: tiers[DEVICE].as_dict(),
-            HOST: tiers[HOST].as_dict(),
-            NVME: self.store.stats(),
-            "stall_seconds": pipeline.stall_seconds,
-        }
+        return self.pipeline.stats().as_dict()
 
     def close(self) -> None:
         if self.closed:

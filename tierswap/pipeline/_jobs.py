@@ -1,5 +1,5 @@
-"""What a pipeline moves: regions of stored tensors, the jobs that read them, the store they
-live in, and the one call that writes a job's results back.
+"""What a pipeline moves: the jobs, each naming the regions of stored tensors it reads (the
+engine's :class:`~tierswap.engine.Region`), and the work that runs on them.
 
 Private to :mod:`tierswap.pipeline`, which re-exports the public names.
 """
@@ -7,33 +7,15 @@ Private to :mod:`tierswap.pipeline`, which re-exports the public names.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Hashable
 
 import torch
 
+from tierswap.engine import Region
 from tierswap.errors import ConfigError
-from tierswap.io import gather
 from tierswap.tiers import DEVICE, HOST, TierName
 
-if TYPE_CHECKING:
-    from tierswap.store import ArrayInfo
-
-__all__ = ["Job", "Region", "RegionStore", "Work", "nbytes_of", "overlap", "write_regions"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    """Elements ``[start, stop)`` of the flattened tensor stored under ``key``."""
-
-    key: str
-    start: int
-    stop: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
+__all__ = ["Job", "Work"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,40 +50,3 @@ class Job:
 #: ``work(job, tensors) -> writes``: ``tensors`` maps each of ``job.reads`` to a 1-D CPU tensor;
 #: the returned mapping names the regions to write back and their new contents.
 Work = Callable[[Job, dict[Region, torch.Tensor]], dict[Region, torch.Tensor]]
-
-
-class RegionStore(Protocol):
-    """What :class:`Pipeline` needs from a store: region reads and writes and array info."""
-
-    def info(self, key: str) -> ArrayInfo: ...
-
-    def get_region_async(
-        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
-    ) -> Future[torch.Tensor]: ...
-
-    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]: ...
-
-
-def overlap(a: Region, b: Region) -> bool:
-    """Whether ``a`` and ``b`` share elements of one stored tensor."""
-    return a.key == b.key and a.start < b.stop and b.start < a.stop
-
-
-def nbytes_of(tensors: Mapping[Region, torch.Tensor]) -> int:
-    """Bytes of the tensors of ``tensors``."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def write_regions(store: RegionStore, writes: Mapping[Region, torch.Tensor]) -> Future[Any]:
-    """Start writing every region of ``writes``; one future for all of them (its result raises
-    the first failure once every write has ended). When a write cannot even start, the writes
-    already started are waited for before the error is raised, so the caller may reuse the
-    tensors at once."""
-    futures: list[Future[Any]] = []
-    try:
-        for region, tensor in writes.items():
-            futures.append(store.put_region_async(region.key, region.start, tensor))
-    except BaseException:
-        gather(futures).exception()
-        raise
-    return gather(futures)

@@ -20,8 +20,8 @@ fixed set and streams the rest, since the job just finished is the one used furt
 The budgets, buffers, transfers and policies are the engine's (:mod:`tierswap.engine`): one
 :class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
 holds at every moment. The jobs' host buffers come from one pool (``_buffers``); idle pooled
-buffers count against the room left, so buffers in use plus idle never exceed a budget. The
-write-behinds in flight are tracked by ``_writes``.
+buffers count against the room left, so buffers in use plus idle never exceed a budget. Reads
+and write-behinds go through the engine's :class:`~tierswap.engine.Disk`.
 
 **Work on the device** (``work_on_device=True`` with a transfer layer that moves bytes, e.g. a
 GPU): the work gets each job's tensors on the device and returns device tensors. A job's
@@ -50,19 +50,23 @@ from typing import Any
 import torch
 
 from tierswap.config import Size, parse_size
-from tierswap.engine import DeviceStaging, Ledger, Staged, TierStats, Transfers, transfers_for
+from tierswap.engine import (
+    CacheStats,
+    DeviceStaging,
+    Disk,
+    Ledger,
+    Region,
+    Staged,
+    StoreProtocol,
+    TierStats,
+    Transfers,
+    nbytes_of,
+    transfers_for,
+)
 from tierswap.errors import BudgetError
 from tierswap.io import gather
 from tierswap.pipeline._buffers import JobBuffers
-from tierswap.pipeline._jobs import (
-    Job,
-    Region,
-    RegionStore,
-    Work,
-    nbytes_of,
-    write_regions,
-)
-from tierswap.pipeline._writes import WriteBehind
+from tierswap.pipeline._jobs import Job, Work
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["Pipeline"]
@@ -84,7 +88,7 @@ class Pipeline:
     ----------
     store:
         The store holding the regions: a :class:`~tierswap.SwapStore` or any other
-        :class:`RegionStore`.
+        :class:`~tierswap.engine.StoreProtocol`.
     budget:
         Host bytes (or a size such as ``"4GiB"``) the pipeline may hold at once: jobs resident
         in host memory, jobs read ahead, the job at work and the work buffer (``Job.scratch``),
@@ -108,7 +112,7 @@ class Pipeline:
 
     def __init__(
         self,
-        store: RegionStore,
+        store: StoreProtocol,
         budget: Size,
         *,
         device_budget: Size = 0,
@@ -116,7 +120,7 @@ class Pipeline:
         transfers: Transfers | None = None,
         work_on_device: bool = False,
     ) -> None:
-        self._store = store
+        self._store = store  # its array info; the bytes move through ``_disk``
         self.budget = parse_size(budget, name="budget")
         self._cv = threading.Condition()
         self._ledgers: dict[TierName, Ledger] = {
@@ -133,7 +137,7 @@ class Pipeline:
         self._reading: dict[Hashable, _Reading] = {}
         self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
         self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
-        self._writes = WriteBehind(store, self._cv)
+        self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
         self.stall_seconds = 0.0
@@ -153,7 +157,7 @@ class Pipeline:
             if (
                 job.name in self._reading
                 or job.name in self._resident
-                or self._writes.unsent_to(job.reads)
+                or self._disk.unsent_to(job.reads)
             ):
                 continue
             sizes = self._buffer_sizes(job)
@@ -173,7 +177,7 @@ class Pipeline:
         """
         self._hold_work_buffer(jobs, wait=True)
         for position, job in enumerate(jobs):
-            self._writes.raise_errors()
+            self._disk.raise_errors()
             tensors = self._acquire(job)
             self._read_ahead(jobs[position + 1 :])  # the work buffer is held for all of them
             try:
@@ -219,18 +223,13 @@ class Pipeline:
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
         if job.name in self._resident:
-            with self._cv:
-                self._ledgers[self._resident_in[job.name][0]].hits += 1
+            self._ledgers[self._resident_in[job.name][0]].count_use(hit=True)
             return self._resident[job.name]
         started = time.perf_counter()
         stale = self._reading.get(job.name)
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
             self._drop_reading(job.name)
         if job.name not in self._reading:
-            for handed in self._writes.unsent_to(
-                job.reads
-            ):  # read what the store will hold, not before
-                handed.exception()
             self._start_reads(job, self._wait_for_room(job))
         reading = self._reading.pop(job.name)
         try:
@@ -240,10 +239,8 @@ class Pipeline:
             raise
         finally:
             self.stall_seconds += time.perf_counter() - started
-        with self._cv:
-            host = self._ledgers[HOST]
-            host.misses += 1
-            host.bytes_in += nbytes_of(reading.tensors)
+        self._ledgers[HOST].count_use(hit=False)
+        self._ledgers[HOST].count_moved(into=nbytes_of(reading.tensors))
         return reading.tensors
 
     def _finish(
@@ -263,13 +260,8 @@ class Pipeline:
         if job.tier is not None and self._keep(job, tensors, staged, writes):
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
-        try:
-            self._writes.start(landed, host_writes, then=lambda: self._give_back(job, tensors))
-        except BaseException:
-            self._give_back(job, tensors)
-            raise
-        with self._cv:
-            self._ledgers[HOST].bytes_out += nbytes_of(host_writes)
+        self._disk.write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
+        self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
 
     def _land(
         self,
@@ -324,9 +316,8 @@ class Pipeline:
         if not device.try_reserve(job.nbytes):
             return False
         merged = {**tensors, **writes}
-        with self._cv:
-            device.bytes_in += nbytes_of(merged)
-            self._ledgers[HOST].bytes_out += nbytes_of(merged)
+        device.count_moved(into=nbytes_of(merged))
+        self._ledgers[HOST].count_moved(out=nbytes_of(merged))
         if not self._transfers.moves:  # a device tier in host memory keeps the same buffers
             self._hold_on_device(job, merged)
             with self._cv:  # they leave the host's books
@@ -411,7 +402,7 @@ class Pipeline:
         sizes = self._buffer_sizes(job)
         with self._cv:
             claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
-            while claimed is None and self._writes.in_flight:
+            while claimed is None and self._disk.in_flight:
                 self._cv.wait()
                 claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
             if claimed is None:
@@ -433,7 +424,7 @@ class Pipeline:
         # Idle pooled buffers are trimmed only once the room is there (they hold none of the
         # ledger's room; trimming earlier would only free buffers the next reads could reuse).
         while host.free < nbytes:
-            if self._writes.in_flight:
+            if self._disk.in_flight:
                 self._cv.wait()
             elif self._reading:
                 self._cv.release()
@@ -456,22 +447,19 @@ class Pipeline:
         tensors: dict[Region, torch.Tensor] = {}
         buffers = iter(claimed)
         try:
-            futures = []
             for region in job.reads:
                 dtype = self._dtype(region.key)
                 nbytes = region.numel * dtype.itemsize
                 buf = next(buffers, None)
                 if buf is None:
                     buf = self._buffers.take(nbytes)
-                tensors[region] = out = buf[:nbytes].view(dtype)
-                futures.append(
-                    self._store.get_region_async(region.key, region.start, region.stop, out=out)
-                )
+                tensors[region] = buf[:nbytes].view(dtype)
+            done = self._disk.read_all(tensors)  # after the writes it overlaps reach the store
         except BaseException:
             self._buffers.give_all(buffers)
             self._give_back(job, tensors)
             raise
-        self._reading[job.name] = _Reading(job, tensors, gather(futures))
+        self._reading[job.name] = _Reading(job, tensors, done)
 
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
@@ -491,10 +479,10 @@ class Pipeline:
     def drain(self) -> None:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
         the first write that failed."""
-        self._writes.wait()
+        self._disk.wait()
         if self._staging is not None:
             self._staging.wait_landing()
-        self._writes.raise_errors()
+        self._disk.raise_errors()
 
     def release(self) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
@@ -524,12 +512,10 @@ class Pipeline:
                 copies += [out.done for out in outs.values()]
             else:
                 on_host.update(tensors)
-        gather(copies).result()
-        write_regions(self._store, on_host).result()
-        with self._cv:
-            for name, tensors in self._resident.items():
-                self._ledgers[self._resident_in[name][0]].bytes_out += nbytes_of(tensors)
-        self.drain()
+        self._disk.write(on_host, after=gather(copies))
+        self.drain()  # waits for the writes, and raises the first that failed
+        for name, tensors in self._resident.items():
+            self._ledgers[self._resident_in[name][0]].count_moved(out=nbytes_of(tensors))
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
@@ -580,3 +566,11 @@ class Pipeline:
     def tier_stats(self) -> dict[TierName, TierStats]:
         """What each memory tier holds and served: used, budget, hits, misses, bytes in/out."""
         return {tier: ledger.stats() for tier, ledger in self._ledgers.items()}
+
+    def stats(self) -> CacheStats:
+        """The memory tiers (:meth:`tier_stats`), the store's traffic since the pipeline was
+        made and the time spent waiting for reads: the shape of :meth:`TierCache.stats`."""
+        ledgers = self._ledgers
+        return CacheStats.of(
+            ledgers[DEVICE], ledgers[HOST], self._disk.traffic(), self.stall_seconds
+        )

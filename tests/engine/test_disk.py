@@ -1,0 +1,105 @@
+"""The engine's path to the store: write-behind, its errors, and reads ordered after it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierswap as ts
+from tierswap.engine import Disk, Region, overlap
+
+PAGE = 4096
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with ts.SwapStore(tmp_path / "s", chunk_bytes=PAGE) as store:
+        store.put("x", torch.zeros(4096))
+        yield store
+
+
+def test_a_write_waits_for_its_copy_and_blocks_reads_of_its_regions(store) -> None:
+    cv = threading.Condition()
+    disk = Disk(store, cv)
+    landed: Future[None] = Future()
+    ended: list[BaseException | None] = []
+    disk.write({Region("x", 0, 1024): torch.ones(1024)}, after=landed, then=ended.append)
+    with cv:
+        assert disk.in_flight
+    assert disk.unsent_to([Region("x", 1000, 2000)])  # overlaps: a read must wait
+    assert not disk.unsent_to([Region("x", 1024, 2000)])
+    assert disk.unsent_to(["x"])  # the whole item overlaps every region of it
+    assert not ended
+    landed.set_result(None)  # the copy back from the device landed: the write starts
+    disk.wait()
+    assert ended == [None]
+    assert not disk.unsent_to([Region("x", 0, 1)])
+    with cv:
+        assert not disk.in_flight
+    assert torch.equal(store.get("x")[:1024], torch.ones(1024))
+
+
+def test_a_read_waits_for_the_unsent_write_it_overlaps(store) -> None:
+    disk = Disk(store, threading.Condition())
+    landed: Future[None] = Future()
+    disk.write({Region("x", 0, 8): torch.full((8,), 7.0)}, after=landed)
+    threading.Timer(0.05, landed.set_result, (None,)).start()
+    out = torch.empty(8)
+    disk.read(Region("x", 0, 8), out).result()  # waits until the store has the write
+    assert torch.equal(out, torch.full((8,), 7.0))
+    disk.wait()
+
+
+def test_a_failed_write_is_raised_once_and_its_end_hears_of_it(store) -> None:
+    disk = Disk(store, threading.Condition())
+    landed: Future[None] = Future()
+    ended: list[BaseException | None] = []
+    disk.write({Region("x", 0, 4): torch.ones(4)}, after=landed, then=ended.append)
+    landed.set_exception(RuntimeError("copy failed"))
+    disk.wait()
+    assert len(ended) == 1
+    assert isinstance(ended[0], RuntimeError)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        disk.raise_errors()
+    disk.raise_errors()  # raised once
+
+
+def test_a_write_that_cannot_start_is_a_failed_write_after_the_others_ended(store) -> None:
+    cv = threading.Condition()
+    disk = Disk(store, cv)
+    ended: list[BaseException | None] = []
+    writes = {Region("x", 0, 4): torch.ones(4), Region("missing", 0, 4): torch.ones(4)}
+    disk.write(writes, then=ended.append)
+    disk.wait()
+    assert len(ended) == 1
+    assert isinstance(ended[0], ts.errors.KeyNotFoundError)
+    with cv:
+        assert not disk.in_flight
+    with pytest.raises(ts.errors.KeyNotFoundError):
+        disk.raise_errors()
+    assert torch.equal(store.get("x")[:4], torch.ones(4))  # the write that started ended
+
+
+def test_whole_items_are_written_and_read_as_one(store) -> None:
+    disk = Disk(store, threading.Condition())
+    disk.write({"y": torch.arange(6.0).view(2, 3)})
+    disk.wait()
+    disk.raise_errors()
+    assert disk.read("y").result().shape == (2, 3)
+    disk.put("y", torch.ones(3))  # a write-through replaces the item, shape and all
+    traffic = disk.traffic()
+    assert traffic["bytes_written"] == 6 * 4 + 3 * 4
+    assert traffic["bytes_read"] == 6 * 4
+    assert torch.equal(store.get("y"), torch.ones(3))
+
+
+def test_overlap() -> None:
+    assert overlap(Region("a", 0, 4), Region("a", 3, 5))
+    assert not overlap(Region("a", 0, 4), Region("a", 4, 5))
+    assert not overlap(Region("a", 0, 4), Region("b", 0, 4))
+    assert overlap("a", Region("a", 9, 10))
+    assert not overlap("a", "b")

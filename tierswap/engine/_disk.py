@@ -1,0 +1,274 @@
+"""The engine's one path to and from the store: reads into buffers a front end reserved, and
+write-behind, with its error and ordering rules.
+
+Both front ends move bytes only through a :class:`Disk`: the :class:`~tierswap.Pipeline` reads
+and writes :class:`Region` s of stored arrays, the :class:`~tierswap.TierCache` whole items
+(a plain key). The rules live here once:
+
+- a write-behind that fails is kept and raised once, by the next :meth:`Disk.raise_errors`;
+  its completion callback hears of the failure too (the cache puts the item back);
+- a write may wait for its bytes (``after``: a copy back from the device) before the store gets
+  it; a read of bytes such a write will replace waits until the store has the write, which it
+  then orders before the read;
+- a write that cannot even start counts as a failed write, after the writes of the same call
+  that did start have ended (their buffers are free when the callback runs).
+
+Private to :mod:`tierswap.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from tierswap.io import gather
+
+if TYPE_CHECKING:
+    from tierswap.store import ArrayInfo
+
+__all__ = ["Disk", "Region", "StoreProtocol", "Target", "nbytes_of", "overlap", "write_regions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Elements ``[start, stop)`` of the flattened tensor stored under ``key``."""
+
+    key: str
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+#: What a read or write names: a :class:`Region` of a stored array, or a key: the whole item
+#: (read whole; written as the item, created or replaced with the tensor's shape).
+Target = Region | str
+#: Tensors to write, by what they replace: regions, or whole items.
+Writes = Mapping[Region, torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+class StoreProtocol(Protocol):
+    """What the engine needs from a store (a :class:`~tierswap.SwapStore`): array info, its
+    traffic counters, reads and writes of regions and of whole items started asynchronously,
+    and the synchronous write of an item (a write-through)."""
+
+    def info(self, key: str) -> ArrayInfo: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]: ...
+
+    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]: ...
+
+    def put(self, key: str, tensor: torch.Tensor) -> None: ...
+
+    def get_region_async(
+        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> Future[torch.Tensor]: ...
+
+    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]: ...
+
+
+def overlap(a: Target, b: Target) -> bool:
+    """Whether ``a`` and ``b`` share elements of one stored tensor."""
+    if isinstance(a, str) or isinstance(b, str):
+        return _key(a) == _key(b)
+    return a.key == b.key and a.start < b.stop and b.start < a.stop
+
+
+def _key(target: Target) -> str:
+    return target if isinstance(target, str) else target.key
+
+
+def nbytes_of(tensors: Mapping[Any, torch.Tensor]) -> int:
+    """Bytes of the tensors of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _start_write(store: StoreProtocol, target: Target, tensor: torch.Tensor) -> Future[None]:
+    if isinstance(target, str):
+        return store.put_async(target, tensor)
+    return store.put_region_async(target.key, target.start, tensor)
+
+
+def write_regions(store: StoreProtocol, writes: Writes) -> Future[Any]:
+    """Start writing every target of ``writes``; one future for all of them (its result raises
+    the first failure once every write has ended). When a write cannot even start, the writes
+    already started are waited for before the error is raised, so the caller may reuse the
+    tensors at once."""
+    futures: list[Future[Any]] = []
+    try:
+        for target, tensor in writes.items():
+            futures.append(_start_write(store, target, tensor))
+    except BaseException:
+        gather(futures).exception()
+        raise
+    return gather(futures)
+
+
+#: ``then(error)``: a write ended, ``error`` its failure or ``None``.
+Then = Callable[[BaseException | None], None]
+
+
+class Disk:
+    """One front end's reads and write-behinds on ``store``.
+
+    ``cv`` is the front end's condition: :attr:`in_flight` is read under it, and the end of a
+    write is recorded under it before the write's ``then`` runs (without it: ``then`` takes it
+    as it needs). Reads and writes may be started from any thread; :meth:`wait` and
+    :meth:`raise_errors` from the front end's callers.
+    """
+
+    def __init__(self, store: StoreProtocol, cv: threading.Condition) -> None:
+        self.store, self._cv = store, cv
+        self._futures: list[Future[Any]] = []  # writes not ended
+        # writes waiting for their bytes (``after``): their targets, by the future of the
+        # moment the store gets them
+        self._unsent: dict[Future[None], tuple[Target, ...]] = {}
+        self._errors: list[BaseException] = []
+        self._baseline = store.stats()
+
+    # ------------------------------------------------------------------ reads
+    def read(self, target: Target, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
+        """Start reading ``target`` into ``out`` (a buffer whose bytes the caller reserved, or
+        ``None``: the store allocates one). Waits first for writes still to be handed to the
+        store that would replace bytes it reads. A read that cannot start raises here."""
+        for handed in self.unsent_to((target,)):
+            handed.exception()
+        if isinstance(target, str):
+            return self.store.get_async(target, out=out)
+        return self.store.get_region_async(target.key, target.start, target.stop, out=out)
+
+    def read_all(self, reads: Mapping[Region, torch.Tensor]) -> Future[Any]:
+        """Start every read of ``reads`` (region -> its buffer); one future for all of them.
+        When one cannot start, those started are waited for, then the error is raised."""
+        futures: list[Future[Any]] = []
+        try:
+            for region, out in reads.items():
+                futures.append(self.read(region, out))
+        except BaseException:
+            gather(futures).exception()
+            raise
+        return gather(futures)
+
+    # ------------------------------------------------------------------ write-behind
+    @property
+    def in_flight(self) -> bool:
+        """Whether any write has not ended. The caller holds the condition."""
+        return bool(self._futures)
+
+    def write(
+        self,
+        writes: Writes,
+        *,
+        after: Future[Any] | None = None,
+        then: Then | None = None,
+    ) -> None:
+        """Write ``writes`` behind the caller, once ``after`` (if given) completes, and call
+        ``then(error)`` when they have ended; a failure is also kept for :meth:`raise_errors`.
+
+        The store gets the writes on the thread that completes ``after``, so the caller never
+        waits for a copy back from the device. The caller's tensors must stay unchanged until
+        ``then`` runs.
+        """
+        done: Future[Any] = Future()
+        with self._cv:
+            self._futures.append(done)
+        done.add_done_callback(lambda f: self._ended(f, then))
+        if after is None or after.done():
+            self._hand(writes, after, done)
+            return
+        handed: Future[None] = Future()
+        with self._cv:
+            self._unsent[handed] = tuple(writes)
+
+        def hand(landed: Future[Any]) -> None:
+            try:
+                self._hand(writes, landed, done)
+            finally:
+                with self._cv:
+                    del self._unsent[handed]
+                handed.set_result(None)
+
+        after.add_done_callback(hand)
+
+    def _hand(self, writes: Writes, after: Future[Any] | None, done: Future[Any]) -> None:
+        """Give ``writes`` to the store (``after`` has completed); ``done`` ends with them."""
+        try:
+            if after is not None:
+                after.result()
+            written = write_regions(self.store, writes)
+        except BaseException as exc:
+            done.set_exception(exc)
+            return
+        written.add_done_callback(lambda w: _settle(done, w))
+
+    def _ended(self, done: Future[Any], then: Then | None) -> None:
+        error = done.exception()
+        with self._cv:
+            if error is not None:
+                self._errors.append(error)
+            self._futures.remove(done)
+            self._cv.notify_all()
+        if then is not None:
+            then(error)
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the item ``key`` now (a write-through; the caller waits), after any write of
+        it still waiting for its bytes. A failure raises here and is not kept."""
+        for handed in self.unsent_to((key,)):
+            handed.exception()
+        self.store.put(key, tensor)
+
+    def unsent_to(self, reads: Iterable[Target]) -> list[Future[None]]:
+        """Hand-overs to the store still to come of writes that overlap ``reads`` (a read
+        started before would read the bytes those writes replace)."""
+        wanted = tuple(reads)
+        with self._cv:
+            return [
+                handed
+                for handed, targets in self._unsent.items()
+                if any(overlap(a, b) for a in targets for b in wanted)
+            ]
+
+    def wait(self) -> None:
+        """Wait until every write started (also those started meanwhile) has ended."""
+        while True:
+            with self._cv:
+                pending = list(self._futures)
+            if not pending:
+                return
+            for future in pending:
+                future.exception()
+
+    def raise_errors(self) -> None:
+        """Raise the first write failure not raised yet (and forget the others)."""
+        with self._cv:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ traffic
+    def traffic(self) -> dict[str, int]:
+        """What the store read and wrote since this disk was made: ``bytes_read`` and
+        ``bytes_written`` (the bytes of each chunk file read or written: a region that covers
+        part of a chunk may move the whole chunk), ``reads`` and ``writes`` (chunk files). The
+        store's own counters, so they include any other user of the store."""
+        now = self.store.stats()
+        return {name: now[name] - self._baseline.get(name, 0) for name in now}
+
+
+def _settle(target: Future[Any], source: Future[Any]) -> None:
+    """Complete ``target`` as ``source`` completed."""
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
