@@ -7,11 +7,11 @@ SwapOptimizer inside a framework's wrapper, and handling the small reference dic
 
 from __future__ import annotations
 
-from tierswap.optim._convert import find_swap_optimizer, offload, swapped
-from tierswap.optim._snapshot import is_reference as is_snapshot_reference
-from tierswap.optim._snapshot import reference_path as snapshot_reference_path
-from tierswap.optim._snapshot import retarget_reference as retarget_snapshot_reference
+from tierswap.optim._adapters import find_swap_optimizer, offload, swapped
 from tierswap.optim.optimizer import SwapOptimizer
+from tierswap.optim.persist import is_reference as is_snapshot_reference
+from tierswap.optim.persist import reference_path as snapshot_reference_path
+from tierswap.optim.persist import retarget_reference as retarget_snapshot_reference
 
 __all__ = [
     "SwapOptimizer",

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import cast
 
 from tierswap.engine import EvictionPolicy, place
-from tierswap.optim._partition import (
+from tierswap.optim.plan._partition import (
     Slice,
     Slot,
     check_budget,

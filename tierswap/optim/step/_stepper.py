@@ -1,7 +1,7 @@
 """How a SwapOptimizer's step runs its slices: in ``step()``, in backward, or into forward.
 
 One :class:`Stepper` per optimizer turns a step into pipeline jobs, one per slice, and hands
-each slice's work to :func:`~tierswap.optim._slice_step.step_slice`. When the work runs depends
+each slice's work to :func:`~tierswap.optim.step._slice_work.step_slice`. When the work runs depends
 on ``overlap``:
 
 - ``None`` (default): each parameter's gradient hook starts the reads of its slices; ``step()``
@@ -9,7 +9,7 @@ on ``overlap``:
 - ``"backward"``: the hook steps each slice whose parameters' gradients are all final, and
   ``step()`` steps what is left.
 - ``"forward"``: ``step()`` freezes what the step needs and hands the slices, in forward order,
-  to the worker of :class:`~tierswap.optim._deferred.DeferredSteps` (:meth:`Stepper.schedule`);
+  to the worker of :class:`~tierswap.optim.step.DeferredSteps` (:meth:`Stepper.schedule`);
   the first gradient hook of the next backward starts the next step's reads.
 
 A step ends with its scalar state kept and, when the commit clock says so, a commit.
@@ -23,15 +23,12 @@ from typing import Any, cast
 
 import torch
 
-from tierswap.optim._backend import StateBackend
-from tierswap.optim._commits import CommitClock
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._deferred import DeferredSteps, frozen_group
-from tierswap.optim._layout import Layout, interleave
-from tierswap.optim._memory import step_allocations, trim_heap
-from tierswap.optim._partition import Slice
-from tierswap.optim._slice_step import StepPlan, slice_job, step_slice
-from tierswap.optim._step_state import StepState
+from tierswap.optim.persist import CommitClock, StateBackend, StepState
+from tierswap.optim.plan import Layout, Slice, StepPlan, interleave
+from tierswap.optim.step._deferred import DeferredSteps, frozen_group
+from tierswap.optim.step._memory import step_allocations, trim_heap
+from tierswap.optim.step._slice_work import slice_job, step_slice
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper"]

@@ -13,15 +13,13 @@ import torch
 
 from tierswap.errors import ConfigError, FailedStepError, StoreClosedError
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._layout import Layout
-from tierswap.optim._partition import Slot, local_tensor, master_dtype
-from tierswap.optim._slice_step import flat
-from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_world, world_meta
+from tierswap.optim.persist._bookkeeping import StepState
+from tierswap.optim.plan import Layout, Slot, flat, local_tensor, master_dtype
 from tierswap.pipeline import Region
 
 if TYPE_CHECKING:
-    from tierswap.optim._backend import StateBackend
+    from tierswap.optim.persist._backend import StateBackend
 
 __all__ = [
     "SwappedState",

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim import _state_dict
-from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
-from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
+from tierswap.optim.persist._backend import META_KEY, StateBackend, resolve_swap_dir
+from tierswap.optim.persist._bookkeeping import StepState
+from tierswap.optim.persist._state_dict import hyper_parameters
 from tierswap.store import (
     Progress,
     SnapshotResult,
@@ -108,7 +108,7 @@ def _needs_commit(
     ):
         return True
     # hyper-parameters changed since (an LR scheduler steps after the optimizer's commit)
-    current = [_state_dict.hyper_parameters(g) for g in groups]
+    current = [hyper_parameters(g) for g in groups]
     return not _same(backend.load_small()["groups"], current)
 
 

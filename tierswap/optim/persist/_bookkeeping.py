@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from tierswap.optim._partition import Slot
-from tierswap.optim._slice_step import StepPlan
+from tierswap.optim.plan import Slot, StepPlan
 
 __all__ = ["StepState"]
 
@@ -18,7 +17,7 @@ __all__ = ["StepState"]
 @dataclasses.dataclass
 class StepState:
     """The optimizer's step bookkeeping, owned by it and handed to the helpers that commit,
-    restore, load and snapshot (:mod:`tierswap.optim._state_dict`, ``_snapshot``).
+    restore, load and snapshot (:mod:`tierswap.optim.persist`).
 
     ``small`` holds each slot's scalar state (``step`` counters, ...) by slot index; ``names``
     the names of its per-element state tensors, which live in the store.

@@ -7,7 +7,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
-from tierswap.optim._commits import AUTO_SHARE, CommitClock
+from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
 
 
 class FakeTime:
