@@ -9,9 +9,12 @@ torch's state dicts, snapshots and the small reference dicts that stand for them
 
 from __future__ import annotations
 
+from tierswap.optim.persist._arrays import base_arrays, write_params
 from tierswap.optim.persist._backend import StateBackend
 from tierswap.optim.persist._bookkeeping import StepState
+from tierswap.optim.persist._commit import commit, drain_writes, final_commit
 from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
+from tierswap.optim.persist._resume import check_commit, restore_commit
 from tierswap.optim.persist._snapshot import (
     Requests,
     is_reference,
@@ -23,19 +26,8 @@ from tierswap.optim.persist._snapshot import (
     snapshot,
     snapshot_source,
 )
-from tierswap.optim.persist._state_dict import (
-    SwappedState,
-    adopt_direct_state,
-    base_arrays,
-    check_commit,
-    commit,
-    drain_writes,
-    final_commit,
-    load_state_dict,
-    restore_commit,
-    state_dict,
-    write_params,
-)
+from tierswap.optim.persist._swapped_state import SwappedState, adopt_direct_state
+from tierswap.optim.persist._torch_format import load_state_dict, state_dict
 
 __all__ = [
     "AUTO_SHARE",

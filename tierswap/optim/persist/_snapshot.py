@@ -24,8 +24,7 @@ import torch
 from tierswap.errors import ConfigError
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
 from tierswap.optim.persist._backend import META_KEY, StateBackend, resolve_swap_dir
-from tierswap.optim.persist._bookkeeping import StepState
-from tierswap.optim.persist._state_dict import hyper_parameters
+from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters
 from tierswap.store import (
     Progress,
     SnapshotResult,
