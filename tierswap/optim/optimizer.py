@@ -19,7 +19,6 @@ slices (in ``step()``, in backward hooks, or into the next forward) is
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -34,7 +33,7 @@ from tierswap.optim import persist
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
-from tierswap.optim.persist import CommitClock, StateBackend, StepState
+from tierswap.optim.persist import CommitClock, OptimizerParts, StateBackend, StepState
 from tierswap.optim.plan import (
     Layout,
     Slice,
@@ -189,15 +188,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         existing = inner.state_dict() if inner.state else None
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
-        self._state = StepState()
-        self.state = persist.SwappedState(self._state)  # true when the swap space holds state
-        self._commits = CommitClock(_commit_every(config.commit_every))
+        step_state = StepState()
+        self.state = persist.SwappedState(step_state)  # true when the swap space holds state
         self._requests = persist.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
-        if config.overlap == "forward":
-            self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
@@ -210,7 +205,24 @@ class SwapOptimizer(torch.optim.Optimizer):
         layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
             persist.seed_swap_dir(config.swap_dir, config.resume_from)
-        self._backend = StateBackend(
+        self._parts = OptimizerParts(
+            config=config, backend=self._open_backend(layout), layout=layout, state=step_state,
+            commits=CommitClock(_commit_every(config.commit_every)), swapped_state=self.state,
+            inners=self._inners, groups=self.param_groups, compute_device=self.compute_device,
+            optimizer_name=type(inner).__name__,
+        )  # fmt: skip
+        self._stepper = Stepper(self._parts)
+        self._start_or_close(config.resume)
+        self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
+        self._ready = True
+        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
+        if existing is not None and not config.resume:
+            self.load_state_dict(existing)
+
+    def _open_backend(self, layout: Layout) -> StateBackend:
+        """The swap folder's store and pipeline, sized by ``layout``."""
+        config = self._config
+        return StateBackend(
             config.swap_dir,
             budget=layout.host_budget,
             durable=config.durable,
@@ -221,11 +233,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             transfers=self._transfers,
             work_on_device=self.tier == DEVICE,
         )
-        self._stepper = Stepper(
-            layout, backend=self._backend, state=self._state, config=config,
-            commits=self._commits, deferred=self._deferred, inners=self._inners,
-            groups=self.param_groups, compute_device=self.compute_device, commit=self._commit,
-        )  # fmt: skip
+
+    def _start_or_close(self, resume: bool) -> None:
+        """:meth:`_start`, under the finalizer that closes the store: a failure closes it (and
+        removes a temporary folder) before it propagates."""
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
         # then; the at-exit closer of the backend handles that.
@@ -234,26 +245,31 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
         self._finalizer.atexit = False
         try:
-            self._start(config.resume)
-            if config.resume:  # every rank must resume the same step (a collective)
+            self._start(resume)
+            if resume:  # every rank must resume the same step (a collective)
                 check_resumed_steps(self._state.steps, self._backend.path)
         except BaseException:
             self._finalizer()
             raise
-        self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
-        self._ready = True
-        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
-        if existing is not None and not config.resume:
-            self.load_state_dict(existing)
+
+    # The parts the methods below use most (also what tests look at).
+    @property
+    def _backend(self) -> StateBackend:
+        return self._parts.backend
+
+    @property
+    def _state(self) -> StepState:
+        return self._parts.state
 
     @property
     def _layout(self) -> Layout:
-        """The slots, slices and placement the steps run over (the stepper's)."""
-        return self._stepper.layout
+        """The slots, slices and placement the steps run over."""
+        return self._parts.layout
 
-    @_layout.setter
-    def _layout(self, layout: Layout) -> None:
-        self._stepper.layout = layout
+    @property
+    def _deferred(self) -> DeferredSteps:
+        """The worker of ``overlap="forward"`` (the stepper's)."""
+        return self._stepper.deferred
 
     def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:
         """The slots of ``group``'s parameters, numbered from ``first``; registers the torch
@@ -290,29 +306,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         if meta is not None:
             self._restore(meta)
             return
-        self._create(self._layout.slots)
-
-    def _create(self, slots: list[Slot]) -> None:
-        """Create the arrays of new ``slots`` and write their masters (or params)."""
-        for slot in slots:
-            for key, dtype in persist.base_arrays(slot):
-                if key not in self._backend.known:
-                    self._backend.create(key, tuple(slot.local.shape), dtype)
-        persist.write_params(self._backend, self._layout, slots, masters=True)
+        persist.create_arrays(self._parts, self._layout.slots)
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Load the commit ``meta`` describes; slices follow its chunking."""
         layout = self._layout
-        saved_groups, small = persist.check_commit(
-            self._backend, self._config, layout.slots, len(self.param_groups), meta
-        )  # checked before anything changes: a refused resume leaves optimizer and folder alone
+        # checked before anything changes: a refused resume leaves optimizer and folder alone
+        saved_groups, small = persist.check_commit(self._parts, meta)
         chunk = meta.get("chunk_bytes")
         if chunk and chunk != layout.chunk_bytes:
-            self._layout = self._plan(layout.slots, layout.host_budget, chunk)
-        persist.restore_commit(
-            self._backend, self._layout, self._state, self.param_groups,
-            saved_groups=saved_groups, small=small,
-        )  # fmt: skip
+            self._parts.layout = self._plan(layout.slots, layout.host_budget, chunk)
+        persist.restore_commit(self._parts, saved_groups=saved_groups, small=small)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
@@ -333,8 +337,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._backend.pipeline.evict()
-        self._layout = new_layout
-        self._create(added)
+        self._parts.layout = new_layout
+        persist.create_arrays(self._parts, added)
         remove_grad_hooks(self._hook_handles)
         self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
 
@@ -370,7 +374,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         last slices are still being written, or, with ``overlap="forward"``, before they
         step); raise a failure of it."""
         self._deferred.wait()
-        persist.drain_writes(self._backend, self._state)
+        persist.drain_writes(self._parts)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. A step still running keeps the gradients it was given: ``None`` here
@@ -383,22 +387,12 @@ class SwapOptimizer(torch.optim.Optimizer):
     def commit(self) -> int:
         """Make the current masters, state and step count the folder's atomic restart point."""
         self._deferred.wait()
-        return self._commit()
-
-    def _commit(self) -> int:
-        started = time.monotonic()
-        self._adopt_direct_state()
-        generation = persist.commit(
-            self._backend, self._layout, self._state, groups=self.param_groups,
-            config=self._config, optimizer_name=type(self._inner).__name__,
-        )  # fmt: skip
-        self._commits.committed(time.monotonic() - started)
-        return generation
+        return persist.commit(self._parts)
 
     def _adopt_direct_state(self) -> None:
         """Move state written straight into ``self.state`` (as ``ZeroRedundancyOptimizer.
         load_state_dict`` does) into the swap space."""
-        persist.adopt_direct_state(self.state, self._backend, self._layout, self._state)
+        persist.adopt_direct_state(self._parts)
 
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's own format (materialised in host RAM, as CPU tensors).
@@ -411,7 +405,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if dest is not None:
             return self.snapshot_state_dict(dest)
         self._adopt_direct_state()
-        return persist.state_dict(self, self._backend, self._layout, self._state)
+        return persist.state_dict(self, self._parts)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in torch's format (from this class or the plain optimizer), or a
@@ -421,10 +415,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if persist.is_reference(state_dict):
             self.load_snapshot(persist.resolve_reference(state_dict, hint))
             return
-        persist.load_state_dict(
-            self._backend, self._layout, self._state, state_dict, inners=self._inners,
-            param_groups=self.param_groups, compute_device=self.compute_device,
-        )  # fmt: skip
+        persist.load_state_dict(self._parts, state_dict)
         self._state.changed = True  # the next snapshot commits
 
     # -- snapshots (see tierswap.optim.persist._snapshot) ----------------------------------
@@ -435,9 +426,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         links to the swap folder's files (no data copied), a copy across filesystems. Commits
         first unless the last commit already holds this state (``commit_every`` did it)."""
         self._deferred.wait()
-        return persist.snapshot(
-            self._backend, self._state, self.param_groups, self._commit, dest, progress=progress
-        )
+        return persist.snapshot(self._parts, dest, progress=progress)
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
@@ -516,7 +505,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         except BaseException as exc:  # it failed: no final commit (it warns), then raise it
             failure = exc
         try:
-            persist.final_commit(self._backend, self._config, self._state, self._commit)
+            persist.final_commit(self._parts)
         finally:  # the lock and the store are released even when the commit fails
             self._finalizer()
         if failure is not None:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from tierswap.optim.plan import Layout, Slot, flat, master_dtype
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.plan import Slot, flat, master_dtype
 from tierswap.pipeline import Region
 
-if TYPE_CHECKING:
-    from tierswap.optim.persist._backend import StateBackend
-
-__all__ = ["base_arrays", "master_of", "write_params"]
+__all__ = ["base_arrays", "create_arrays", "master_of", "write_params"]
 
 
 def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
@@ -36,14 +32,23 @@ def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", master_dtype(slot.param))
 
 
-def write_params(
-    backend: StateBackend, layout: Layout, slots: list[Slot], *, masters: bool
-) -> None:
+def create_arrays(parts: OptimizerParts, slots: list[Slot]) -> None:
+    """Create the arrays of new ``slots`` (those the store does not hold yet) and write their
+    masters (or params)."""
+    backend = parts.backend
+    for slot in slots:
+        for key, dtype in base_arrays(slot):
+            if key not in backend.known:
+                backend.create(key, tuple(slot.local.shape), dtype)
+    write_params(parts, slots, masters=True)
+
+
+def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> None:
     """Write ``slots``' params that have no master (the committed copy) and, with
     ``masters``, the masters of the others (cast from the params); a slice at a time, so
     the transient stays within one slice."""
     chosen = {slot.index for slot in slots}
-    for piece in layout.slices:
+    for piece in parts.layout.slices:
         writes: dict[Region, torch.Tensor] = {}
         for seg in piece.segments:
             slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
@@ -53,4 +58,4 @@ def write_params(
                 writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, values)
             if slot.persists_param:
                 writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
-        backend.put_regions(writes)
+        parts.backend.put_regions(writes)

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import time
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierswap.errors import FailedStepError, StoreClosedError
-from tierswap.optim._config import SwapConfig
 from tierswap.optim.distributed import world_meta
 from tierswap.optim.persist._arrays import write_params
-from tierswap.optim.persist._bookkeeping import StepState, clone_state, hyper_parameters
-from tierswap.optim.plan import Layout, Slot, master_dtype
-
-if TYPE_CHECKING:
-    from tierswap.optim.persist._backend import StateBackend
+from tierswap.optim.persist._bookkeeping import clone_state, hyper_parameters
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.persist._swapped_state import adopt_direct_state
+from tierswap.optim.plan import Slot, master_dtype
 
 __all__ = [
     "commit",
@@ -31,18 +29,21 @@ def layout_entry(slot: Slot) -> list[Any]:
     return [list(slot.local.shape), str(master_dtype(slot.param)), slot.has_master]
 
 
-def commit(
-    backend: StateBackend,
-    layout: Layout,
-    step_state: StepState,
-    *,
-    groups: list[dict[str, Any]],
-    config: SwapConfig,
-    optimizer_name: str,
-) -> int:
+def commit(parts: OptimizerParts) -> int:
+    """Make the current masters, state and step count the folder's atomic restart point; the
+    commit clock learns what it cost. Returns the generation."""
+    started = time.monotonic()
+    adopt_direct_state(parts)
+    generation = _write_commit(parts)
+    parts.commits.committed(time.monotonic() - started)
+    return generation
+
+
+def _write_commit(parts: OptimizerParts) -> int:
     """Write params without a master (those the last step did not), scalars and
-    hyper-parameters of ``groups``; flush the resident slices; commit. Returns the generation."""
-    drain_writes(backend, step_state)
+    hyper-parameters of the param groups; flush the resident slices; commit."""
+    backend, layout, step_state, config = parts.backend, parts.layout, parts.state, parts.config
+    drain_writes(parts)
     if step_state.failed:
         committed = steps_of(backend.committed_meta())
         raise FailedStepError(
@@ -52,16 +53,16 @@ def commit(
         )
     slots = layout.slots
     unwritten = [s for s in slots if s.persists_param and s.index not in step_state.params_written]
-    write_params(backend, layout, unwritten, masters=False)
+    write_params(parts, unwritten, masters=False)
     small = {  # keyed by each parameter's key prefix, so a resume can match by name
         "small": {s.prefix: clone_state(step_state.small[s.index]) for s in slots},
         "names": {s.prefix: list(step_state.names[s.index]) for s in slots},
-        "groups": [hyper_parameters(g) for g in groups],
+        "groups": [hyper_parameters(g) for g in parts.groups],
         "steps": step_state.steps,
     }
     meta = {
         "steps": step_state.steps,
-        "optimizer": optimizer_name,
+        "optimizer": parts.optimizer_name,
         "layout": [layout_entry(s) for s in slots],
         "keys": [s.prefix for s in slots],
         "names": [s.name for s in slots],
@@ -77,7 +78,7 @@ def commit(
     return generation
 
 
-def drain_writes(backend: StateBackend, step_state: StepState) -> None:
+def drain_writes(parts: OptimizerParts) -> None:
     """Wait for the steps' write-behinds; raise the first that failed.
 
     A failed write-behind lost a slice's new state (its buffers went back to the pool) and
@@ -85,9 +86,9 @@ def drain_writes(backend: StateBackend, step_state: StepState) -> None:
     ``failed`` first, so that no later commit at ``close()`` holds a mix of old and new.
     """
     try:
-        backend.pipeline.drain()
+        parts.backend.pipeline.drain()
     except BaseException:
-        step_state.failed = True
+        parts.state.failed = True
         raise
 
 
@@ -96,12 +97,10 @@ def steps_of(meta: dict[str, Any] | None) -> int:
     return 0 if meta is None else int(meta.get("steps", 0))
 
 
-def final_commit(
-    backend: StateBackend, config: SwapConfig, step_state: StepState, commit: Callable[[], object]
-) -> None:
-    """At ``close()``: call ``commit`` for the steps (or loaded state) since the last commit,
-    where a resume can use the commit; warn when there are such steps that cannot be
-    committed."""
+def final_commit(parts: OptimizerParts) -> None:
+    """At ``close()``: commit the steps (or loaded state) since the last commit, where a resume
+    can use the commit; warn when there are such steps that cannot be committed."""
+    backend, config, step_state = parts.backend, parts.config, parts.state
     if backend.closed or not config.durable or config.swap_dir is None:
         return  # closed already, a scratch store, or a temporary folder that close() removes
     meta = backend.committed_meta()
@@ -125,7 +124,7 @@ def final_commit(
         )
         return
     try:
-        commit()
+        commit(parts)
     except Exception as exc:
         # The store closed under an open backend: a commit failed past its commit point (the
         # journal holds it), and the reopen of a resume finishes it.

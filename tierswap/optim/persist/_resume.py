@@ -4,20 +4,17 @@ matched by name where they have names), and loading it."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.distributed import check_world
-from tierswap.optim.persist._bookkeeping import StepState
 from tierswap.optim.persist._commit import layout_entry
-from tierswap.optim.plan import Layout, Slot, flat
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.plan import Slot, flat
 from tierswap.pipeline import Region
-
-if TYPE_CHECKING:
-    from tierswap.optim.persist._backend import StateBackend
 
 __all__ = ["check_commit", "check_format", "match_groups", "match_keys", "restore_commit"]
 
@@ -35,16 +32,14 @@ def check_format(config: SwapConfig, path: Any, meta: dict[str, Any]) -> None:
             )
 
 
-def check_commit(
-    backend: StateBackend, config: SwapConfig, slots: list[Slot], group_count: int,
-    meta: dict[str, Any],
-) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
+def check_commit(parts: OptimizerParts, meta: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     """Check that the commit ``meta`` describes can be resumed here (format, world, parameters,
-    param groups), giving each slot its key in the commit. Returns, for each of the
-    ``group_count`` param groups, the index of the committed group to restore it from, and the
-    commit's scalars (read once, for :func:`restore_commit`). Raises ``ConfigError`` before
-    anything but the slots' keys changes."""
-    check_format(config, backend.path, meta)
+    param groups), giving each slot its key in the commit. Returns, for each param group, the
+    index of the committed group to restore it from, and the commit's scalars (read once, for
+    :func:`restore_commit`). Raises ``ConfigError`` before anything but the slots' keys
+    changes."""
+    backend, slots, group_count = parts.backend, parts.layout.slots, len(parts.groups)
+    check_format(parts.config, backend.path, meta)
     check_world(meta, backend.path)
     match_keys(slots, meta, backend.path)
     small = backend.load_small()
@@ -53,17 +48,12 @@ def check_commit(
 
 
 def restore_commit(
-    backend: StateBackend,
-    layout: Layout,
-    step_state: StepState,
-    groups: list[dict[str, Any]],
-    *,
-    saved_groups: list[int],
-    small: dict[str, Any],
+    parts: OptimizerParts, *, saved_groups: list[int], small: dict[str, Any]
 ) -> None:
     """Load the last commit (checked by :func:`check_commit`, which read its scalars ``small``;
-    ``layout`` in its chunking): params (from masters or copies), scalars, hyper-parameters,
+    the layout in its chunking): params (from masters or copies), scalars, hyper-parameters,
     step count."""
+    backend, layout, step_state = parts.backend, parts.layout, parts.state
     index_of: dict[str | int, int] = {
         **{s.prefix: s.index for s in layout.slots},
         **{s.index: s.index for s in layout.slots},
@@ -73,7 +63,7 @@ def restore_commit(
         {index_of[k]: v for k, v in small["names"].items()},
         small["steps"],
     )
-    for group, saved in zip(groups, saved_groups, strict=True):
+    for group, saved in zip(parts.groups, saved_groups, strict=True):
         group.update(small["groups"][saved])
     with torch.no_grad():
         for piece in layout.slices:  # a slice at a time: the transient stays one slice

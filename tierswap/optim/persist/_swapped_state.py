@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim.persist._bookkeeping import StepState
+from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.optim.persist._torch_format import replace_states
-from tierswap.optim.plan import Layout
-
-if TYPE_CHECKING:
-    from tierswap.optim.persist._backend import StateBackend
 
 __all__ = ["SwappedState", "adopt_direct_state"]
 
@@ -37,18 +34,16 @@ class SwappedState(defaultdict[torch.Tensor, dict[str, Any]]):
         return len(self) > 0 or held
 
 
-def adopt_direct_state(
-    direct: dict[torch.Tensor, dict[str, Any]], backend: StateBackend, layout: Layout,
-    step_state: StepState,
-) -> None:  # fmt: skip
-    """Move state written straight into ``direct`` (the optimizer's ``state``) into the swap
-    space, and empty it."""
+def adopt_direct_state(parts: OptimizerParts) -> None:
+    """Move state written straight into the optimizer's ``state`` (``parts.swapped_state``)
+    into the swap space, and empty it."""
+    direct = parts.swapped_state
     for param, state in list(dict.items(direct)):
-        slot = layout.slot_of.get(id(param))
+        slot = parts.layout.slot_of.get(id(param))
         if slot is None:
             raise ConfigError(
                 f"optimizer.state holds a tensor of shape {tuple(param.shape)} that is not one "
                 "of this optimizer's parameters; load state with load_state_dict()"
             )
-        replace_states(backend, step_state, [(slot, state)], layout.chunk_bytes)
+        replace_states(parts, [(slot, state)])
     direct.clear()

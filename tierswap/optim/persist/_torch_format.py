@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from tierswap.optim.persist._arrays import master_of
-from tierswap.optim.persist._bookkeeping import StepState, clone_state, hyper_parameters
-from tierswap.optim.plan import Layout, Slot, local_tensor, master_dtype
+from tierswap.optim.persist._bookkeeping import clone_state, hyper_parameters
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.plan import Slot, local_tensor, master_dtype
 
 if TYPE_CHECKING:
     from tierswap.optim.persist._backend import StateBackend
@@ -18,14 +19,13 @@ if TYPE_CHECKING:
 __all__ = ["load_state_dict", "replace_states", "state_dict"]
 
 
-def state_dict(
-    optimizer: torch.optim.Optimizer, backend: StateBackend, layout: Layout, step_state: StepState
-) -> dict[str, Any]:
+def state_dict(optimizer: torch.optim.Optimizer, parts: OptimizerParts) -> dict[str, Any]:
     """torch's format: ``{"state": {index: {...}}, "param_groups": [...]}`` with CPU copies,
     made by torch's own ``Optimizer.state_dict`` on ``optimizer`` with the state filled in
     for the call (its ``state`` is empty before and after)."""
+    backend, step_state = parts.backend, parts.state
     backend.pipeline.flush()
-    for slot in layout.slots:
+    for slot in parts.layout.slots:
         state = clone_state(step_state.small.get(slot.index, {}))
         for name in step_state.names[slot.index]:
             state[name] = _like_param(_read_state(backend, slot, name), slot.param)
@@ -84,24 +84,16 @@ def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def load_state_dict(
-    backend: StateBackend,
-    layout: Layout,
-    step_state: StepState,
-    saved: dict[str, Any],
-    *,
-    inners: list[torch.optim.Optimizer],
-    param_groups: list[dict[str, Any]],
-    compute_device: torch.device,
-) -> None:
-    """Load through the torch optimizers of the groups (``inners``, one per group) so torch's
-    own checks and casts apply (to the masters, on ``compute_device``).
+def load_state_dict(parts: OptimizerParts, saved: dict[str, Any]) -> None:
+    """Load through the torch optimizers of the groups (``parts.inners``, one per group) so
+    torch's own checks and casts apply (to the masters, on ``parts.compute_device``).
 
     Master weights are not part of torch's format: they are refreshed from the model params.
     All or nothing: when a write fails (disk full, ...) the optimizer is left as it was.
     """
-    backend.pipeline.evict()
-    targets = [_load_target(s, compute_device) for s in layout.slots]
+    layout, step_state, param_groups = parts.layout, parts.state, parts.groups
+    parts.backend.pipeline.evict()
+    targets = [_load_target(s, parts.compute_device) for s in layout.slots]
     position = 0
     groups = []
     for group in param_groups:
@@ -113,7 +105,7 @@ def load_state_dict(
         raise ValueError("loaded state dict has a different number of parameter groups")
     loaded_state: dict[torch.Tensor, Any] = {}
     loaded_groups: list[dict[str, Any]] = [{} for _ in groups]
-    for inner, members in _groups_by_inner(inners):
+    for inner, members in _groups_by_inner(parts.inners):
         ids = {i for m in members for i in saved_groups[m]["params"]}
         part = {
             "state": {k: v for k, v in saved.get("state", {}).items() if k in ids},
@@ -124,9 +116,7 @@ def load_state_dict(
         for m, group in zip(members, loaded, strict=True):
             loaded_groups[m] = group
     states = [loaded_state.get(target, {}) for target in targets]
-    replace_states(
-        backend, step_state, list(zip(layout.slots, states, strict=True)), layout.chunk_bytes
-    )
+    replace_states(parts, list(zip(layout.slots, states, strict=True)))
     step_state.failed = False  # a whole state again
     step_state.params_written = set()  # the caller may have loaded weights: commit writes all
     for group, restored in zip(param_groups, loaded_groups, strict=True):
@@ -165,15 +155,11 @@ def _load_target(slot: Slot, compute_device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=master_dtype(slot.param), device=compute_device)
 
 
-def replace_states(
-    backend: StateBackend,
-    step_state: StepState,
-    states: list[tuple[Slot, dict[str, Any]]],
-    chunk_bytes: int,
-) -> None:
+def replace_states(parts: OptimizerParts, states: list[tuple[Slot, dict[str, Any]]]) -> None:
     """Give each slot its new state, all or nothing: every tensor (and refreshed master) is
     written first, in one all-or-none put; only then are old names dropped and scalars set.
-    ``chunk_bytes`` is the layout's chunking (8-bit scales get chunks of their own from it)."""
+    8-bit scales get chunks of their own from the layout's chunking."""
+    backend, step_state, chunk_bytes = parts.backend, parts.state, parts.layout.chunk_bytes
     tensors: dict[str, torch.Tensor] = {}
     chunks: dict[str, int] = {}
     names: dict[int, list[str]] = {}
