@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/step_blocks.py [--numel 16777216] [--rounds 3]
                                              [--blocks 131072,65536,32768,1048576]
 
-Why ``tierswap.optim._slice_step.STEP_BLOCK`` exists: torch's for-loop kernels (the default on
+Why ``tierswap.optim.step._slice_work.STEP_BLOCK`` exists: torch's for-loop kernels (the default on
 the CPU) make a temporary of the tensor's size per operation and pass over memory once per
 operation, so on blocks that fit a core's cache they run faster, until Python's per-tensor
 overhead takes over. For each kernel (for-loop, foreach, fused) this times one ``step()`` over
@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierswap.optim._memory import step_allocations  # noqa: E402
+from tierswap.optim.step import step_allocations  # noqa: E402
 
 KERNELS = {"for-loop": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

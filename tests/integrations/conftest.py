@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierswap.optim import _state_dict
+from tierswap.optim import persist
 
 
 @pytest.fixture
@@ -14,11 +14,11 @@ def no_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
 
     Before the first step the state is empty (Accelerate round-trips it at ``prepare()``).
     """
-    gather = _state_dict.state_dict
+    gather = persist.state_dict
 
     def never_after_a_step(optimizer, *args):  # type: ignore[no-untyped-def]
         if optimizer.steps:
             raise AssertionError("a checkpoint gathered the optimizer state into RAM")
         return gather(optimizer, *args)
 
-    monkeypatch.setattr(_state_dict, "state_dict", never_after_a_step)
+    monkeypatch.setattr(persist, "state_dict", never_after_a_step)

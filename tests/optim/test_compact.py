@@ -16,9 +16,10 @@ import torch
 
 from tests.optim.compact_reference import CompactReference, backward, inputs
 from tierswap.errors import ConfigError
-from tierswap.optim import SwapOptimizer, _layout
-from tierswap.optim._partition import Segment
+from tierswap.optim import SwapOptimizer
 from tierswap.optim.formats import MomentFormat, join
+from tierswap.optim.plan import _layout
+from tierswap.optim.plan._partition import Segment
 
 #: Inner optimizers and their keywords: moments of both signs, an amsgrad maximum, a momentum.
 CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -245,7 +246,7 @@ def test_8bit_scales_have_chunks_of_their_own_read_and_written_whole(tmp_path: A
 def test_resume_keeps_a_folders_scale_chunking(tmp_path: Any, monkeypatch: Any) -> None:
     """A folder whose 8-bit scales share the codes' chunk size (as written before scales had
     chunks of their own) resumes, steps bitwise and keeps its chunking."""
-    import tierswap.optim._slice_step as slice_step
+    import tierswap.optim.step._slice_work as slice_step
 
     plain, swapped = _pair(torch.float32, Large)
     reference = Reference(plain, "adamw", "8bit")

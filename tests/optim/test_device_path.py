@@ -22,7 +22,8 @@ from tests.engine.recording import (
 )
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.errors import ConfigError
-from tierswap.optim import SwapOptimizer, _layout, optimizer
+from tierswap.optim import SwapOptimizer, optimizer
+from tierswap.optim.plan import _layout
 from tierswap.store import SwapStore
 
 LAYERS = 6

@@ -97,7 +97,7 @@ def test_each_state_byte_is_read_once_and_written_once_per_step(tmp_path) -> Non
             assert after["bytes_read"] - before["bytes_read"] == state
             assert after["bytes_written"] - before["bytes_written"] == state
         # a due commit adds the parameters' bytes once, written with their slices
-        swap._commits.every = 1
+        swap._parts.commits.every = 1
         before = swap.tier_stats()["nvme"]
         _step(model, swap, xs[0])
         after = swap.tier_stats()["nvme"]

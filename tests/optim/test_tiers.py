@@ -12,7 +12,8 @@ import torch
 from tests.engine.policies import KeepEven
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.engine import LookaheadPolicy, LRUPolicy
-from tierswap.optim import SwapOptimizer, _layout
+from tierswap.optim import SwapOptimizer
+from tierswap.optim.plan import _layout
 
 LAYERS = 8
 

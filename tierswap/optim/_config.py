@@ -22,12 +22,13 @@ class SwapConfig:
     """Where and how a :class:`~tierswap.SwapOptimizer` keeps its state (built by keyword).
 
     The fields are the keywords of :class:`~tierswap.SwapOptimizer`, in the same order and with
-    the same defaults (``tests/optim/test_convert.py`` holds them together).
+    the same defaults (``tests/optim/test_adapters.py`` holds them together).
 
     ``host_budget=None`` sizes the host tier to the whole state (everything stays in RAM);
     ``device_budget=0`` turns the device tier off. ``commit_every="auto"`` commits so that
-    commits take about a tenth of the training time (:mod:`tierswap.optim._commits`), ``N``
-    every N steps, ``0`` only on ``commit()`` and at ``close()``. ``state_precision`` and
+    commits take about a tenth of the training time
+    (:mod:`tierswap.optim.persist._commit_clock`), ``N`` every N steps, ``0`` only on
+    ``commit()`` and at ``close()``. ``state_precision`` and
     ``master`` choose the compact formats of :mod:`tierswap.optim.formats` (``"fp32"``:
     exact, the default).
     """

@@ -13,13 +13,12 @@ stepping in slices is bitwise equal to stepping all at once.
 
 This class is the public face: construction, persistence and state dicts. How a step runs its
 slices (in ``step()``, in backward hooks, or into the next forward) is
-:class:`~tierswap.optim._stepper.Stepper`'s job.
+:class:`~tierswap.optim.step.Stepper`'s job.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -30,21 +29,29 @@ import torch
 
 from tierswap.engine import EvictionPolicy, transfers_for
 from tierswap.errors import ConfigError
-from tierswap.optim import _hooks, _snapshot, _state_dict
-from tierswap.optim._backend import StateBackend
-from tierswap.optim._commits import CommitClock
+from tierswap.optim import persist
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._deferred import DeferredSteps
-from tierswap.optim._layout import Layout, plan_layout
-from tierswap.optim._memory import step_allocations
-from tierswap.optim._names import check_unique
-from tierswap.optim._partition import Slice, Slot
-from tierswap.optim._probe import check_class, own_defaults
-from tierswap.optim._slots import group_slots, inner_for
-from tierswap.optim._step_state import StepState
-from tierswap.optim._stepper import Stepper
 from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
+from tierswap.optim.persist import CommitClock, OptimizerParts, StateBackend, StepState
+from tierswap.optim.plan import (
+    Layout,
+    Slice,
+    Slot,
+    check_class,
+    check_unique,
+    group_slots,
+    inner_for,
+    own_defaults,
+    plan_layout,
+)
+from tierswap.optim.step import (
+    DeferredSteps,
+    Stepper,
+    register_grad_hooks,
+    remove_grad_hooks,
+    step_allocations,
+)
 from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -181,15 +188,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         existing = inner.state_dict() if inner.state else None
         self._config = config
         super().__init__(inner.param_groups, inner.defaults)
-        self._state = StepState()
-        self.state = _state_dict.SwappedState(self._state)  # true when the swap space holds state
-        self._commits = CommitClock(_commit_every(config.commit_every))
-        self._requests = _snapshot.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
+        step_state = StepState()
+        self.state = persist.SwappedState(step_state)  # true when the swap space holds state
+        self._requests = persist.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self._deferred = DeferredSteps()  # overlap="forward": the step that runs into forward
-        if config.overlap == "forward":
-            self._deferred.hook_modules()
         self.tier = DEVICE if config.device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
@@ -201,8 +204,25 @@ class SwapOptimizer(torch.optim.Optimizer):
         check_unique([slot.prefix for slot in slots])
         layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
-            _snapshot.seed_swap_dir(config.swap_dir, config.resume_from)
-        self._backend = StateBackend(
+            persist.seed_swap_dir(config.swap_dir, config.resume_from)
+        self._parts = OptimizerParts(
+            config=config, backend=self._open_backend(layout), layout=layout, state=step_state,
+            commits=CommitClock(_commit_every(config.commit_every)), swapped_state=self.state,
+            inners=self._inners, groups=self.param_groups, compute_device=self.compute_device,
+            optimizer_name=type(inner).__name__,
+        )  # fmt: skip
+        self._stepper = Stepper(self._parts)
+        self._start_or_close(config.resume)
+        self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
+        self._ready = True
+        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
+        if existing is not None and not config.resume:
+            self.load_state_dict(existing)
+
+    def _open_backend(self, layout: Layout) -> StateBackend:
+        """The swap folder's store and pipeline, sized by ``layout``."""
+        config = self._config
+        return StateBackend(
             config.swap_dir,
             budget=layout.host_budget,
             durable=config.durable,
@@ -213,11 +233,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             transfers=self._transfers,
             work_on_device=self.tier == DEVICE,
         )
-        self._stepper = Stepper(
-            layout, backend=self._backend, state=self._state, config=config,
-            commits=self._commits, deferred=self._deferred, inners=self._inners,
-            groups=self.param_groups, compute_device=self.compute_device, commit=self._commit,
-        )  # fmt: skip
+
+    def _start_or_close(self, resume: bool) -> None:
+        """:meth:`_start`, under the finalizer that closes the store: a failure closes it (and
+        removes a temporary folder) before it propagates."""
         # Closes the store (and removes a temporary folder) when the optimizer is
         # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
         # then; the at-exit closer of the backend handles that.
@@ -226,26 +245,31 @@ class SwapOptimizer(torch.optim.Optimizer):
         )
         self._finalizer.atexit = False
         try:
-            self._start(config.resume)
-            if config.resume:  # every rank must resume the same step (a collective)
+            self._start(resume)
+            if resume:  # every rank must resume the same step (a collective)
                 check_resumed_steps(self._state.steps, self._backend.path)
         except BaseException:
             self._finalizer()
             raise
-        self._hook_handles = _hooks.register(self, [s.param for s in self._layout.slots])
-        self._ready = True
-        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
-        if existing is not None and not config.resume:
-            self.load_state_dict(existing)
+
+    # The parts the methods below use most (also what tests look at).
+    @property
+    def _backend(self) -> StateBackend:
+        return self._parts.backend
+
+    @property
+    def _state(self) -> StepState:
+        return self._parts.state
 
     @property
     def _layout(self) -> Layout:
-        """The slots, slices and placement the steps run over (the stepper's)."""
-        return self._stepper.layout
+        """The slots, slices and placement the steps run over."""
+        return self._parts.layout
 
-    @_layout.setter
-    def _layout(self, layout: Layout) -> None:
-        self._stepper.layout = layout
+    @property
+    def _deferred(self) -> DeferredSteps:
+        """The worker of ``overlap="forward"`` (the stepper's)."""
+        return self._stepper.deferred
 
     def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:
         """The slots of ``group``'s parameters, numbered from ``first``; registers the torch
@@ -264,7 +288,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self, slots: list[Slot], host_budget: int | None, chunk_bytes: int | None = None
     ) -> Layout:
         """The layout of ``slots`` under this optimizer's budgets and policy
-        (:func:`~tierswap.optim._layout.plan_layout`)."""
+        (:func:`~tierswap.optim.plan.plan_layout`)."""
         config = self._config
         return plan_layout(
             slots,
@@ -282,29 +306,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         if meta is not None:
             self._restore(meta)
             return
-        self._create(self._layout.slots)
-
-    def _create(self, slots: list[Slot]) -> None:
-        """Create the arrays of new ``slots`` and write their masters (or params)."""
-        for slot in slots:
-            for key, dtype in _state_dict.base_arrays(slot):
-                if key not in self._backend.known:
-                    self._backend.create(key, tuple(slot.local.shape), dtype)
-        _state_dict.write_params(self._backend, self._layout, slots, masters=True)
+        persist.create_arrays(self._parts, self._layout.slots)
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Load the commit ``meta`` describes; slices follow its chunking."""
         layout = self._layout
-        saved_groups, small = _state_dict.check_commit(
-            self._backend, self._config, layout.slots, len(self.param_groups), meta
-        )  # checked before anything changes: a refused resume leaves optimizer and folder alone
+        # checked before anything changes: a refused resume leaves optimizer and folder alone
+        saved_groups, small = persist.check_commit(self._parts, meta)
         chunk = meta.get("chunk_bytes")
         if chunk and chunk != layout.chunk_bytes:
-            self._layout = self._plan(layout.slots, layout.host_budget, chunk)
-        _state_dict.restore_commit(
-            self._backend, self._layout, self._state, self.param_groups,
-            saved_groups=saved_groups, small=small,
-        )  # fmt: skip
+            self._parts.layout = self._plan(layout.slots, layout.host_budget, chunk)
+        persist.restore_commit(self._parts, saved_groups=saved_groups, small=small)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
@@ -325,10 +337,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._backend.pipeline.evict()
-        self._layout = new_layout
-        self._create(added)
-        _hooks.remove(self._hook_handles)
-        self._hook_handles = _hooks.register(self, [s.param for s in self._layout.slots])
+        self._parts.layout = new_layout
+        persist.create_arrays(self._parts, added)
+        remove_grad_hooks(self._hook_handles)
+        self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
 
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
@@ -354,7 +366,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def grad_final(self, param: torch.Tensor) -> None:
         """Called by the post-accumulate-grad hook of ``param``: its gradient is final. Starts
         the reads of its slices, or with ``overlap="backward"`` steps the ones now ready
-        (:meth:`~tierswap.optim._stepper.Stepper.grad_final`)."""
+        (:meth:`~tierswap.optim.step.Stepper.grad_final`)."""
         self._stepper.grad_final(param)
 
     def synchronize(self) -> None:
@@ -362,7 +374,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         last slices are still being written, or, with ``overlap="forward"``, before they
         step); raise a failure of it."""
         self._deferred.wait()
-        _state_dict.drain_writes(self._backend, self._state)
+        persist.drain_writes(self._parts)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. A step still running keeps the gradients it was given: ``None`` here
@@ -375,22 +387,12 @@ class SwapOptimizer(torch.optim.Optimizer):
     def commit(self) -> int:
         """Make the current masters, state and step count the folder's atomic restart point."""
         self._deferred.wait()
-        return self._commit()
-
-    def _commit(self) -> int:
-        started = time.monotonic()
-        self._adopt_direct_state()
-        generation = _state_dict.commit(
-            self._backend, self._layout, self._state, groups=self.param_groups,
-            config=self._config, optimizer_name=type(self._inner).__name__,
-        )  # fmt: skip
-        self._commits.committed(time.monotonic() - started)
-        return generation
+        return persist.commit(self._parts)
 
     def _adopt_direct_state(self) -> None:
         """Move state written straight into ``self.state`` (as ``ZeroRedundancyOptimizer.
         load_state_dict`` does) into the swap space."""
-        _state_dict.adopt_direct_state(self.state, self._backend, self._layout, self._state)
+        persist.adopt_direct_state(self._parts)
 
     def state_dict(self) -> dict[str, Any]:
         """The state in torch's own format (materialised in host RAM, as CPU tensors).
@@ -403,23 +405,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         if dest is not None:
             return self.snapshot_state_dict(dest)
         self._adopt_direct_state()
-        return _state_dict.state_dict(self, self._backend, self._layout, self._state)
+        return persist.state_dict(self, self._parts)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in torch's format (from this class or the plain optimizer), or a
         snapshot reference from :meth:`snapshot_state_dict`."""
         self._deferred.wait()
         hint = self._requests.take_hint()
-        if _snapshot.is_reference(state_dict):
-            self.load_snapshot(_snapshot.resolve_reference(state_dict, hint))
+        if persist.is_reference(state_dict):
+            self.load_snapshot(persist.resolve_reference(state_dict, hint))
             return
-        _state_dict.load_state_dict(
-            self._backend, self._layout, self._state, state_dict, inners=self._inners,
-            param_groups=self.param_groups, compute_device=self.compute_device,
-        )  # fmt: skip
+        persist.load_state_dict(self._parts, state_dict)
         self._state.changed = True  # the next snapshot commits
 
-    # -- snapshots (see tierswap.optim._snapshot) -------------------------------------------
+    # -- snapshots (see tierswap.optim.persist._snapshot) ----------------------------------
     def snapshot(
         self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
     ) -> SnapshotResult:
@@ -427,14 +426,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         links to the swap folder's files (no data copied), a copy across filesystems. Commits
         first unless the last commit already holds this state (``commit_every`` did it)."""
         self._deferred.wait()
-        return _snapshot.snapshot(
-            self._backend, self._state, self.param_groups, self._commit, dest, progress=progress
-        )
+        return persist.snapshot(self._parts, dest, progress=progress)
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
         """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
         :meth:`load_state_dict` accepts (a trainer checkpoint that never materialises)."""
-        return _snapshot.reference(self.snapshot(dest), self._state.steps)
+        return persist.reference(self.snapshot(dest), self._state.steps)
 
     def redirect_state_dict(self, dest: str | os.PathLike[str] | None) -> None:
         """Make the next :meth:`state_dict` call return :meth:`snapshot_state_dict` of ``dest``
@@ -450,7 +447,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Replace the swap folder by the snapshot at ``path`` and resume from it."""
         self._deferred.wait()
-        source = _snapshot.snapshot_source(path)
+        source = persist.snapshot_source(path)
         self._backend.reopen_from(source, self._layout.chunk_bytes)
         meta = self._backend.committed_meta()
         assert meta is not None  # checked by snapshot_source
@@ -500,7 +497,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         steps. After a failed step, or when the commit fails, it warns (``RuntimeWarning``)
         and the folder keeps its last commit. A temporary swap folder is removed.
         """
-        _hooks.remove(self._hook_handles)
+        remove_grad_hooks(self._hook_handles)
         self._hook_handles = []
         failure: BaseException | None = None
         try:
@@ -508,7 +505,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         except BaseException as exc:  # it failed: no final commit (it warns), then raise it
             failure = exc
         try:
-            _state_dict.final_commit(self._backend, self._config, self._state, self._commit)
+            persist.final_commit(self._parts)
         finally:  # the lock and the store are released even when the commit fails
             self._finalizer()
         if failure is not None:

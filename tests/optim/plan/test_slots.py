@@ -7,7 +7,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._slots import group_slots, inner_for
+from tierswap.optim.plan._slots import group_slots, inner_for
 
 CPU = torch.device("cpu")
 

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from tierswap.optim._partition import Slot
-from tierswap.optim._slice_step import StepPlan
+from tierswap.optim._config import SwapConfig
+from tierswap.optim.plan import Slot, StepPlan
 
-__all__ = ["StepState"]
+__all__ = ["StepState", "clone_state", "hyper_parameters"]
 
 
 @dataclasses.dataclass
 class StepState:
     """The optimizer's step bookkeeping, owned by it and handed to the helpers that commit,
-    restore, load and snapshot (:mod:`tierswap.optim._state_dict`, ``_snapshot``).
+    restore, load and snapshot (:mod:`tierswap.optim.persist`).
 
     ``small`` holds each slot's scalar state (``step`` counters, ...) by slot index; ``names``
     the names of its per-element state tensors, which live in the store.
@@ -82,3 +82,24 @@ class StepState:
         self.steps = steps
         self.stepped.clear()
         self.failed = False  # a whole state again
+
+
+#: Not hyper-parameters: a group's parameters and their names, the optimizer class a group
+#: names, and settings of this run (ZeroRedundancyOptimizer copies its constructor keywords,
+#: swap_dir, host_budget, ..., into every param group). A class or a Path among them would make
+#: the committed blob unloadable with ``torch.load(weights_only=True)``.
+_NOT_HYPER = frozenset(
+    ("params", "param_names", "optimizer_class", *(f.name for f in dataclasses.fields(SwapConfig)))
+)
+
+
+def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
+    """What a commit stores of a param group: its hyper-parameters (also for comparisons)."""
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+def clone_state(value: Any) -> Any:
+    """A copy of a slot's scalar state (nested dicts of tensors and numbers), tensors cloned."""
+    if isinstance(value, dict):
+        return {k: clone_state(v) for k, v in value.items()}
+    return value.clone() if torch.is_tensor(value) else value

@@ -1,7 +1,7 @@
 """How a SwapOptimizer's step runs its slices: in ``step()``, in backward, or into forward.
 
 One :class:`Stepper` per optimizer turns a step into pipeline jobs, one per slice, and hands
-each slice's work to :func:`~tierswap.optim._slice_step.step_slice`. When the work runs depends
+each slice's work to :func:`~tierswap.optim.step._slice_work.step_slice`. When the work runs depends
 on ``overlap``:
 
 - ``None`` (default): each parameter's gradient hook starts the reads of its slices; ``step()``
@@ -9,7 +9,7 @@ on ``overlap``:
 - ``"backward"``: the hook steps each slice whose parameters' gradients are all final, and
   ``step()`` steps what is left.
 - ``"forward"``: ``step()`` freezes what the step needs and hands the slices, in forward order,
-  to the worker of :class:`~tierswap.optim._deferred.DeferredSteps` (:meth:`Stepper.schedule`);
+  to the worker of :class:`~tierswap.optim.step.DeferredSteps` (:meth:`Stepper.schedule`);
   the first gradient hook of the next backward starts the next step's reads.
 
 A step ends with its scalar state kept and, when the commit clock says so, a commit.
@@ -18,61 +18,45 @@ A step ends with its scalar state kept and, when the commit clock says so, a com
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
-from tierswap.optim._backend import StateBackend
-from tierswap.optim._commits import CommitClock
-from tierswap.optim._config import SwapConfig
-from tierswap.optim._deferred import DeferredSteps, frozen_group
-from tierswap.optim._layout import Layout, interleave
-from tierswap.optim._memory import step_allocations, trim_heap
-from tierswap.optim._partition import Slice
-from tierswap.optim._slice_step import StepPlan, slice_job, step_slice
-from tierswap.optim._step_state import StepState
+from tierswap.optim.persist import OptimizerParts, commit
+from tierswap.optim.plan import Layout, Slice, StepPlan, interleave
+from tierswap.optim.step._deferred import DeferredSteps, frozen_group
+from tierswap.optim.step._memory import step_allocations, trim_heap
+from tierswap.optim.step._slice_work import slice_job, step_slice
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper"]
 
 
 class Stepper:
-    """Runs the steps of one optimizer over ``layout`` (replaced when the layout changes).
+    """Runs the steps of one optimizer over its parts (:class:`~tierswap.optim.persist.
+    OptimizerParts`: the store, the layout, the step bookkeeping, the commit clock, the torch
+    optimizer of each group and the param groups), which the optimizer owns.
 
-    It shares, and does not own, what the optimizer holds: the store (``backend``), the step
-    bookkeeping (``state``), the torch optimizer of each group (``inners``) and the param
-    groups (lists the optimizer extends), the commit clock, the worker of deferred steps, and
-    ``commit``, which makes a commit and returns its generation.
+    It owns the worker of deferred steps (:attr:`deferred`, ``overlap="forward"``) and what a
+    step under way knows of the gradient hooks. Called from the training thread (``step()`` and
+    the hooks), and from the deferred worker for the step it runs.
     """
 
-    def __init__(
-        self,
-        layout: Layout,
-        *,
-        backend: StateBackend,
-        state: StepState,
-        config: SwapConfig,
-        commits: CommitClock,
-        deferred: DeferredSteps,
-        inners: list[torch.optim.Optimizer],
-        groups: list[dict[str, Any]],
-        compute_device: torch.device,
-        commit: Callable[[], int],
-    ) -> None:
-        self.layout = layout
-        self._backend = backend
-        self._state = state
-        self._config = config
-        self._commits = commits
-        self._deferred = deferred
-        self._inners = inners
-        self._groups = groups
-        self._scratch_on_cpu = compute_device.type == "cpu"
-        self._commit = commit
+    def __init__(self, parts: OptimizerParts) -> None:
+        self.parts = parts
+        #: The worker of ``overlap="forward"``: the step that runs into the next forward.
+        self.deferred = DeferredSteps()
+        if parts.config.overlap == "forward":
+            self.deferred.hook_modules()
+        self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
+
+    @property
+    def layout(self) -> Layout:
+        """The layout the steps run over (the parts', replaced when it changes)."""
+        return self.parts.layout
 
     # -- step() ---------------------------------------------------------------------------
     def step_now(self) -> None:
@@ -82,20 +66,21 @@ class Stepper:
         pieces = [
             piece
             for piece in self.layout.slices
-            if piece.index not in self._state.stepped and any(s.index in live for s in piece.slots)
+            if piece.index not in self.parts.state.stepped
+            and any(s.index in live for s in piece.slots)
         ]
         pieces = interleave(pieces, self.layout.placement)
         try:
             self._step_slices(pieces, live)
-            if self._config.overlap == "backward":  # the step consumes gradients, as in hooks
+            if self.parts.config.overlap == "backward":  # the step consumes gradients, as in hooks
                 for index in live:
                     self.layout.slots[index].param.grad = None
         finally:
-            self._backend.pipeline.release()
-            plan, self._state.plan = self._state.plan, None
-            self._state.stepped.clear()
+            self.parts.backend.pipeline.release()
+            plan, self.parts.state.plan = self.parts.state.plan, None
+            self.parts.state.stepped.clear()
             self._final.clear()
-        self._state.steps += 1
+        self.parts.state.steps += 1
         self._end_step(plan, due)
 
     def schedule(self) -> None:
@@ -106,27 +91,27 @@ class Stepper:
         pieces = [p for p in self.layout.slices[::-1] if any(s.index in live for s in p.slots)]
         plan = self._new_plan()
         plan.live |= live
-        plan.groups = [frozen_group(group) for group in self._groups]  # the scheduler moves on
+        plan.groups = [frozen_group(group) for group in self.parts.groups]  # the scheduler moves on
         plan.grads = {index: self.layout.slots[index].param.grad for index in live}
         self._read_ahead = False  # the next backward starts the next step's reads
         counts: Counter[int] = Counter()
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
-        self._state.steps += 1
+        self.parts.state.steps += 1
 
         def run() -> None:
             with step_allocations():
                 try:
                     self._run_slices(plan, pieces)
                 finally:
-                    self._backend.pipeline.release()
+                    self.parts.backend.pipeline.release()
                 self._end_step(plan, due)
 
-        self._deferred.start(counts, run)
+        self.deferred.start(counts, run)
 
     def commit_due(self) -> bool:
         """Whether the step under way (or about to start) ends with a commit."""
-        return self._commits.due(self._state.steps + 1)
+        return self.parts.commits.due(self.parts.state.steps + 1)
 
     def _live_slots(self) -> set[int]:
         """The slots this step updates: those whose parameter has a gradient."""
@@ -136,12 +121,14 @@ class Stepper:
         """After a step's slices: keep their scalar state, note which params they wrote, and
         commit when due (``step()``, or the worker of ``overlap="forward"``)."""
         if plan is not None:
-            self._state.small.update(plan.small_after)  # only now: hooks share small_before
+            self.parts.state.small.update(plan.small_after)  # only now: hooks share small_before
         # Stepped params without a master were written with their slices when a commit is due.
-        self._state.params_written = plan.live if plan is not None and plan.write_params else set()
-        self._commits.stepped()
+        self.parts.state.params_written = (
+            plan.live if plan is not None and plan.write_params else set()
+        )
+        self.parts.commits.stepped()
         if due:
-            self._commit()
+            commit(self.parts)
 
     # -- gradient hooks -------------------------------------------------------------------
     def grad_final(self, param: torch.Tensor) -> None:
@@ -154,18 +141,20 @@ class Stepper:
         """
         layout = self.layout
         slot = layout.slot_of.get(id(param))
-        if slot is None or self._backend.closed:
+        if slot is None or self.parts.backend.closed:
             return
-        if self._config.overlap == "forward":  # read ahead now for the next step, in its order
-            if not self._read_ahead and not self._deferred.busy:
+        if self.parts.config.overlap == "forward":  # read ahead now for the next step, in its order
+            if not self._read_ahead and not self.deferred.busy:
                 self._read_ahead = True
-                self._backend.pipeline.prefetch([self._job(p) for p in layout.slices[::-1]])
+                self.parts.backend.pipeline.prefetch([self._job(p) for p in layout.slices[::-1]])
             return
-        if self._config.overlap != "backward":
-            self._backend.pipeline.prefetch([self._job(p) for p in layout.slices_of[slot.index]])
+        if self.parts.config.overlap != "backward":
+            self.parts.backend.pipeline.prefetch(
+                [self._job(p) for p in layout.slices_of[slot.index]]
+            )
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
-        if count % self._config.accumulation_steps:
+        if count % self.parts.config.accumulation_steps:
             return
         self._final.add(slot.index)
         ready = [p for p in layout.slices_of[slot.index] if self._ready_in_backward(p)]
@@ -173,12 +162,12 @@ class Stepper:
             with torch.no_grad(), step_allocations():
                 self._step_slices(ready)
         for index in {seg.slot.index for piece in ready for seg in piece.segments}:
-            if all(p.index in self._state.stepped for p in layout.slices_of[index]):
+            if all(p.index in self.parts.state.stepped for p in layout.slices_of[index]):
                 layout.slots[index].param.grad = None
 
     def _ready_in_backward(self, piece: Slice) -> bool:
         """Not yet stepped, and every parameter that will get a gradient has its final one."""
-        return piece.index not in self._state.stepped and all(
+        return piece.index not in self.parts.state.stepped and all(
             seg.slot.index in self._final or not seg.slot.param.requires_grad
             for seg in piece.segments
         )
@@ -186,39 +175,41 @@ class Stepper:
     # -- slices through the pipeline ------------------------------------------------------
     def _step_slices(self, pieces: list[Slice], live: set[int] | None = None) -> None:
         """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
-        plan = self._state.plan
+        plan = self.parts.state.plan
         if plan is None:
-            plan = self._state.plan = self._new_plan()
+            plan = self.parts.state.plan = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
         self._run_slices(plan, pieces)
-        self._state.stepped.update(piece.index for piece in pieces)
+        self.parts.state.stepped.update(piece.index for piece in pieces)
 
     def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
         """Stream ``pieces`` through the pipeline, each stepped by :meth:`work` with ``plan``."""
         jobs = [self._job(piece) for piece in pieces]
         try:
-            self._backend.pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors))
+            self.parts.backend.pipeline.run(
+                jobs, lambda job, tensors: self.work(plan, job, tensors)
+            )
         except BaseException:
-            self._state.failed = True  # some slices may have stepped: close() must not commit
+            self.parts.state.failed = True  # some slices may have stepped: close() must not commit
             raise
 
     def _new_plan(self) -> StepPlan:
-        return self._state.new_plan(
-            self.layout.slots, inners=self._inners, groups=self._groups,
-            write_params=self.commit_due(), create=self._backend.create,
+        return self.parts.state.new_plan(
+            self.layout.slots, inners=self.parts.inners, groups=self.parts.groups,
+            write_params=self.commit_due(), create=self.parts.backend.create,
             chunk_bytes=self.layout.chunk_bytes,
         )  # fmt: skip
 
     def _job(self, piece: Slice) -> Job:
         placement = self.layout.placement
-        return slice_job(piece, self._state.names, placement, scratch=self._scratch_on_cpu)
+        return slice_job(piece, self.parts.state.names, placement, scratch=self._scratch_on_cpu)
 
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         """One slice's step, as the pipeline calls it: its regions to write back."""
         created = bool(plan.fresh)
         piece = self.layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        writes = step_slice(plan, piece, tensors, self._backend.pipeline.scratch(job))
-        self._deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
+        writes = step_slice(plan, piece, tensors, self.parts.backend.pipeline.scratch(job))
+        self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real
         return writes

@@ -13,7 +13,7 @@ from tests.optim.models import TinyNet, batches, make_models
 from tierswap.errors import ConfigError
 from tierswap.keys import validate_key
 from tierswap.optim import SwapOptimizer
-from tierswap.optim._names import key_prefix, name_of
+from tierswap.optim.plan._names import key_prefix, name_of
 from tierswap.store import SwapStore
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._partition import StateShapes, local_tensor, master_dtype
+from tierswap.optim.plan._partition import StateShapes, local_tensor, master_dtype
 
 __all__ = [
     "check_class",

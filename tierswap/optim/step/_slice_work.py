@@ -6,7 +6,7 @@ needs no master. Its state tensors are the regions read for the slice. torch's o
 (for-loop, foreach or fused) then runs exactly as it would on whole parameters: the math of a
 cut parameter's optimizer is per element, and a parameter whose optimizer's math spans it
 (Muon, Adafactor) is stepped whole, viewed in its own shape (both checked by
-:mod:`~tierswap.optim._probe`), so the result is bitwise the same. Everything the step needs
+:mod:`~tierswap.optim.plan._probe`), so the result is bitwise the same. Everything the step needs
 comes in as arguments; nothing here reads the optimizer's members.
 
 Where the step runs is where the tensors are: the pipeline hands the work device tensors when
@@ -24,56 +24,35 @@ new remainder.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tierswap.config import ALIGN
-from tierswap.optim._partition import Segment, Slice, Slot, array_chunk_bytes, local_tensor
 from tierswap.optim.formats import MomentFormat, join, split
+from tierswap.optim.plan import (
+    Segment,
+    Slice,
+    Slot,
+    StepPlan,
+    array_chunk_bytes,
+    flat,
+    local_tensor,
+)
 from tierswap.pipeline import Job, Region
 from tierswap.tiers import TierName
 
 __all__ = [
     "Scratch",
-    "StepPlan",
     "clone_small",
-    "flat",
     "slice_job",
     "slice_reads",
     "state_region",
     "state_regions",
     "step_slice",
 ]
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one ``step()`` hands to the work of each slice.
-
-    ``small_after`` is filled in: the scalar state (``step`` counters, ...) of each stepped slot.
-    ``create`` makes a stored array for state that the step created (first step only), with
-    its own chunk size where it does not take the store's.
-    ``inners`` holds the torch optimizer that steps each param group (by group index).
-    """
-
-    inners: list[torch.optim.Optimizer]
-    groups: list[dict[str, Any]]
-    live: set[int]
-    fresh: set[int]
-    state_names: dict[int, list[str]]
-    small_before: dict[int, dict[str, Any]]
-    write_params: bool
-    create: Callable[[str, tuple[int, ...], torch.dtype, int | None], None]
-    chunk_bytes: int  # the store's chunk size, which slices cut parameters at
-    small_after: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
-    #: returned); ``None``: read ``param.grad`` when the slice steps.
-    grads: dict[int, torch.Tensor | None] | None = None
 
 
 class Scratch:
@@ -99,11 +78,6 @@ class Scratch:
         piece = buffer[self._used : self._used + nbytes].view(dtype)
         self._used += max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
         return piece
-
-
-def flat(tensor: torch.Tensor) -> torch.Tensor:
-    """The 1-D view of a parameter's (local) storage that slices index."""
-    return local_tensor(tensor).view(-1)
 
 
 def slice_job(

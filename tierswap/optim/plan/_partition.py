@@ -35,6 +35,7 @@ __all__ = [
     "Slot",
     "array_chunk_bytes",
     "check_budget",
+    "flat",
     "chunk_target",
     "master_dtype",
     "plan_slices",
@@ -65,6 +66,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def master_dtype(param: torch.Tensor) -> torch.dtype:
     """dtype of the master weights and state kept for ``param`` (fp32 for fp16/bf16 params)."""
     return torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of a parameter's (local) storage that slices index."""
+    return local_tensor(tensor).view(-1)
 
 
 @dataclasses.dataclass

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import tierswap as ts
-from tierswap.optim import _memory
+from tierswap.optim.step import _memory
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 #: The start of every child: imports and the resident-set reading (format with ``root``).
 PREAMBLE = """
@@ -149,7 +149,7 @@ def test_steps_run_under_the_step_threshold_and_leave_the_idle_one(monkeypatch) 
     """The threshold is the step's from the first step that starts until the last one running
     ends (the forward-overlap worker and step() may overlap), the idle one after; an error
     inside a step restores it too."""
-    from tierswap.optim import _memory
+    from tierswap.optim.step import _memory
 
     calls: list[int] = []
     monkeypatch.setattr(_memory, "_set_mmap_threshold", calls.append)

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim import _state_dict
-from tierswap.optim._backend import META_KEY, StateBackend, resolve_swap_dir
-from tierswap.optim._step_state import StepState
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
+from tierswap.optim.persist._backend import META_KEY, StateBackend, resolve_swap_dir
+from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters
+from tierswap.optim.persist._commit import commit
+from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.store import (
     Progress,
     SnapshotResult,
@@ -71,25 +71,20 @@ class Requests:
 
 
 def snapshot(
-    backend: StateBackend,
-    step_state: StepState,
-    groups: list[dict[str, Any]],
-    commit: Callable[[], object],
-    dest: str | os.PathLike[str],
-    *,
-    progress: bool | Progress | None,
+    parts: OptimizerParts, dest: str | os.PathLike[str], *, progress: bool | Progress | None
 ) -> SnapshotResult:
-    """Call ``commit`` (unless the last commit is of this very state), then keep that commit
-    as a store in ``dest`` (new or empty).
+    """Commit (unless the last commit is of this very state), then keep that commit as a
+    store in ``dest`` (new or empty).
 
     Under ``torch.distributed`` each rank keeps its own folder's commit in ``dest/rank-<r>``,
     after checking (a collective: every rank must call this) that all ranks are at one step.
     """
+    backend, step_state = parts.backend, parts.state
     dest = rank_swap_dir(Path(dest).absolute())
     check_destination(backend.folders, dest)  # fail before committing
     check_same_step(step_state.steps, backend.path, "snapshot")
-    if step_state.failed or _needs_commit(backend, step_state, groups):
-        commit()  # after a failed step it raises: that state is no step's end
+    if step_state.failed or _needs_commit(backend, step_state, parts.groups):
+        commit(parts)  # after a failed step it raises: that state is no step's end
     return backend.store.snapshot(dest, progress=progress)
 
 
@@ -108,7 +103,7 @@ def _needs_commit(
     ):
         return True
     # hyper-parameters changed since (an LR scheduler steps after the optimizer's commit)
-    current = [_state_dict.hyper_parameters(g) for g in groups]
+    current = [hyper_parameters(g) for g in groups]
     return not _same(backend.load_small()["groups"], current)
 
 

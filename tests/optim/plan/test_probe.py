@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._probe import may_slice, probe_whole_state
+from tierswap.optim.plan._probe import may_slice, probe_whole_state
 
 
 class RowNorm(torch.optim.SGD):

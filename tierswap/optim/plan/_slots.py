@@ -15,9 +15,9 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim._config import SwapConfig
-from tierswap.optim._names import key_prefix
-from tierswap.optim._partition import Slot, local_tensor, master_dtype
-from tierswap.optim._probe import probe_group, whole_state
+from tierswap.optim.plan._names import key_prefix
+from tierswap.optim.plan._partition import Slot, local_tensor, master_dtype
+from tierswap.optim.plan._probe import probe_group, whole_state
 
 __all__ = ["group_slots", "inner_for"]
 

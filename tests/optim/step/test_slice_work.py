@@ -1,4 +1,4 @@
-"""Cut parameters step on the CPU in blocks (``_slice_step.STEP_BLOCK``): bitwise the same as
+"""Cut parameters step on the CPU in blocks (``_slice_work.STEP_BLOCK``): bitwise the same as
 the plain optimizer on whole parameters, for every per-element optimizer, state format and
 master format."""
 
@@ -19,7 +19,8 @@ from tests.optim.models import (
     train_step,
 )
 from tests.optim.test_optimizer import OPTIMIZERS
-from tierswap.optim import SwapOptimizer, _slice_step
+from tierswap.optim import SwapOptimizer
+from tierswap.optim.step import _slice_work
 
 BLOCK = 64  # smaller than the weights of TinyNet (a multiple of 64, as STEP_BLOCK is)
 
@@ -27,15 +28,15 @@ BLOCK = 64  # smaller than the weights of TinyNet (a multiple of 64, as STEP_BLO
 @pytest.fixture
 def blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Small blocks; records the size of every tensor each inner step is given."""
-    monkeypatch.setattr(_slice_step, "STEP_BLOCK", BLOCK)
+    monkeypatch.setattr(_slice_work, "STEP_BLOCK", BLOCK)
     sizes: list[int] = []
-    step_inner = _slice_step._step_inner
+    step_inner = _slice_work._step_inner
 
     def recording(inner: Any, groups: list[dict[str, Any]], state: Any) -> None:
         sizes.extend(p.numel() for g in groups for p in g["params"])
         step_inner(inner, groups, state)
 
-    monkeypatch.setattr(_slice_step, "_step_inner", recording)
+    monkeypatch.setattr(_slice_work, "_step_inner", recording)
     return sizes
 
 
@@ -108,7 +109,7 @@ def test_blocks_match_whole_slices_with_compact_state_and_masters(
     size does not change the numbers)."""
     results = []
     for block in (BLOCK, 1 << 30):
-        _slice_step.STEP_BLOCK = block  # the fixture restores it
+        _slice_work.STEP_BLOCK = block  # the fixture restores it
         _, model = make_models(dtype=dtype)
         opt = SwapOptimizer(
             groups(model), torch.optim.AdamW, swap_dir=tmp_path / f"run{block}", lr=1e-2,

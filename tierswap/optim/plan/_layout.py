@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import cast
 
 from tierswap.engine import EvictionPolicy, place
-from tierswap.optim._partition import (
+from tierswap.optim.plan._partition import (
     Slice,
     Slot,
     check_budget,
@@ -101,12 +101,7 @@ def plan_layout(
     ``device_compute``: slices step on a GPU, so streamed ones pass through device memory too.
     Raises ``ConfigError`` when a slice does not fit a budget.
 
-    On the CPU a slice holds its :attr:`~Slice.held_bytes` from its reads to the end of its
-    write-back, resident or streamed, and the step's work buffers (the fp32 decodings of
-    compact state, ...) are one buffer for all slices, of the largest slice's
-    :attr:`~Slice.scratch_bytes` (:meth:`tierswap.Pipeline.scratch`), so the streaming part
-    holds ``STREAM_SLICES`` slices plus that one buffer. On a GPU every slice counts its whole
-    working set.
+    How the streaming part is counted: :func:`_capacities`.
     """
 
     def held(piece: Slice) -> int:
@@ -132,17 +127,39 @@ def plan_layout(
         check_budget(slices, device_budget, "device_budget")
     largest = max((held(piece) for piece in slices), default=0)
     work_buffer = max(map(work, slices), default=0)
-    capacities: dict[str, int] = {DEVICE: device_budget}
-    if device_compute:  # streamed slices pass through the device
-        capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
-    in_flight = STREAM_SLICES * largest if stream else 0
-    capacities[HOST] = budget - max(stream, in_flight + work_buffer)
+    capacities = _capacities(
+        largest, work_buffer, budget=budget, stream=stream, device_budget=device_budget,
+        device_compute=device_compute,
+    )  # fmt: skip
     sizes = {str(piece.index): held(piece) for piece in slices}
     order = slices[::-1] if forward_order else slices
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
     placed = place(policy, schedule, sizes, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
     return Layout(list(slots), slices, placement, chunk, budget)
+
+
+def _capacities(
+    largest: int, work_buffer: int, *, budget: int, stream: int, device_budget: int,
+    device_compute: bool,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes each tier has for resident slices: the device budget (less the streamed slices
+    passing through it when the step runs there), and the host budget less its streaming part
+    (``stream``, or the slices in flight and the work buffer when they need more).
+
+    On the CPU a slice holds its :attr:`~Slice.held_bytes` from its reads to the end of its
+    write-back, resident or streamed, and the step's work buffers (the fp32 decodings of
+    compact state, ...) are one buffer for all slices, of the largest slice's
+    :attr:`~Slice.scratch_bytes` (:meth:`tierswap.Pipeline.scratch`), so the streaming part
+    holds ``STREAM_SLICES`` slices plus that one buffer. On a GPU every slice counts its whole
+    working set.
+    """
+    capacities: dict[str, int] = {DEVICE: device_budget}
+    if device_compute:  # streamed slices pass through the device
+        capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
+    in_flight = STREAM_SLICES * largest if stream else 0
+    capacities[HOST] = budget - max(stream, in_flight + work_buffer)
+    return capacities
 
 
 def _work_share(slots: list[Slot]) -> float:

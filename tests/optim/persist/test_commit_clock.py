@@ -7,7 +7,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
-from tierswap.optim._commits import AUTO_SHARE, CommitClock
+from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
 
 
 class FakeTime:
@@ -87,7 +87,7 @@ def test_bad_commit_every_is_a_config_error(every, tmp_path) -> None:
 def test_auto_is_the_default_and_close_commits_what_is_left(tmp_path) -> None:
     model = torch.nn.Linear(8, 8)
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", lr=0.1) as opt:
-        assert opt._commits.every == "auto"
+        assert opt._parts.commits.every == "auto"
         for _ in range(3):
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
@@ -118,6 +118,6 @@ def test_auto_commits_every_step_under_torch_distributed(monkeypatch, tmp_path) 
     monkeypatch.setattr(optimizer, "world", lambda: (0, 2))
     model = torch.nn.Linear(4, 4)
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", lr=0.1) as opt:
-        assert opt._commits.every == 1
+        assert opt._parts.commits.every == 1
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "t", commit_every=5) as opt:
-        assert opt._commits.every == 5
+        assert opt._parts.commits.every == 5

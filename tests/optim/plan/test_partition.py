@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tierswap.errors import ConfigError
-from tierswap.optim._partition import Slot, check_budget, master_dtype, plan_slices
-from tierswap.optim._probe import check_elementwise, probe_state
+from tierswap.optim.plan._partition import Slot, check_budget, master_dtype, plan_slices
+from tierswap.optim.plan._probe import check_elementwise, probe_state
 
 
 def _slot(index: int, numel: int, dtype: torch.dtype = torch.float32) -> Slot:

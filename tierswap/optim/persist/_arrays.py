@@ -1,0 +1,61 @@
+"""The arrays every slot has from the start, and the writes of its master and parameter."""
+
+from __future__ import annotations
+
+import torch
+
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.plan import Slot, flat, master_dtype
+from tierswap.pipeline import Region
+
+__all__ = ["base_arrays", "create_arrays", "master_of", "write_params"]
+
+
+def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
+    """The arrays every slot has from the start (key, dtype; in the parameter's shape): its
+    master (fp32, or the int16 remainder) and its committed copy of the parameter."""
+    arrays = []
+    if slot.has_master:
+        arrays.append(
+            (slot.master_key, torch.int16 if slot.remainder else master_dtype(slot.param))
+        )
+    if slot.persists_param:
+        arrays.append((slot.param_key, slot.param.dtype))
+    return arrays
+
+
+def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
+    """The stored master (CPU) of a slot whose master is the parameter ``values``: its fp32
+    cast, or a remainder of zeros (``split(param.float())`` leaves nothing over)."""
+    if slot.remainder:
+        return torch.zeros(values.shape, dtype=torch.int16)
+    return values.detach().to("cpu", master_dtype(slot.param))
+
+
+def create_arrays(parts: OptimizerParts, slots: list[Slot]) -> None:
+    """Create the arrays of new ``slots`` (those the store does not hold yet) and write their
+    masters (or params)."""
+    backend = parts.backend
+    for slot in slots:
+        for key, dtype in base_arrays(slot):
+            if key not in backend.known:
+                backend.create(key, tuple(slot.local.shape), dtype)
+    write_params(parts, slots, masters=True)
+
+
+def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> None:
+    """Write ``slots``' params that have no master (the committed copy) and, with
+    ``masters``, the masters of the others (cast from the params); a slice at a time, so
+    the transient stays within one slice."""
+    chosen = {slot.index for slot in slots}
+    for piece in parts.layout.slices:
+        writes: dict[Region, torch.Tensor] = {}
+        for seg in piece.segments:
+            slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
+            if slot.index not in chosen:
+                continue
+            if slot.has_master and masters:
+                writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, values)
+            if slot.persists_param:
+                writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
+        parts.backend.put_regions(writes)

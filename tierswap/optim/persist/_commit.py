@@ -1,0 +1,141 @@
+"""Commits: the swap folder's atomic restart points, and the last one at ``close()``."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import warnings
+from typing import Any
+
+from tierswap.errors import FailedStepError, StoreClosedError
+from tierswap.optim.distributed import world_meta
+from tierswap.optim.persist._arrays import write_params
+from tierswap.optim.persist._bookkeeping import clone_state, hyper_parameters
+from tierswap.optim.persist._parts import OptimizerParts
+from tierswap.optim.persist._swapped_state import adopt_direct_state
+from tierswap.optim.plan import Slot, master_dtype
+
+__all__ = [
+    "commit",
+    "drain_writes",
+    "final_commit",
+    "layout_entry",
+    "steps_of",
+]
+
+
+def layout_entry(slot: Slot) -> list[Any]:
+    """What must match between a slot and the parameter of a commit it resumes."""
+    return [list(slot.local.shape), str(master_dtype(slot.param)), slot.has_master]
+
+
+def commit(parts: OptimizerParts) -> int:
+    """Make the current masters, state and step count the folder's atomic restart point; the
+    commit clock learns what it cost. Returns the generation."""
+    started = time.monotonic()
+    adopt_direct_state(parts)
+    generation = _write_commit(parts)
+    parts.commits.committed(time.monotonic() - started)
+    return generation
+
+
+def _write_commit(parts: OptimizerParts) -> int:
+    """Write params without a master (those the last step did not), scalars and
+    hyper-parameters of the param groups; flush the resident slices; commit."""
+    backend, layout, step_state, config = parts.backend, parts.layout, parts.state, parts.config
+    drain_writes(parts)
+    if step_state.failed:
+        committed = steps_of(backend.committed_meta())
+        raise FailedStepError(
+            f"swap_dir {str(backend.path)!r}: a step failed part-way and left the state between "
+            "two steps, so it is not committed; load a state (load_state_dict, load_snapshot) "
+            f"or reopen with resume=True to continue from step {committed}"
+        )
+    slots = layout.slots
+    unwritten = [s for s in slots if s.persists_param and s.index not in step_state.params_written]
+    write_params(parts, unwritten, masters=False)
+    small = {  # keyed by each parameter's key prefix, so a resume can match by name
+        "small": {s.prefix: clone_state(step_state.small[s.index]) for s in slots},
+        "names": {s.prefix: list(step_state.names[s.index]) for s in slots},
+        "groups": [hyper_parameters(g) for g in parts.groups],
+        "steps": step_state.steps,
+    }
+    meta = {
+        "steps": step_state.steps,
+        "optimizer": parts.optimizer_name,
+        "layout": [layout_entry(s) for s in slots],
+        "keys": [s.prefix for s in slots],
+        "names": [s.name for s in slots],
+        "groups": [s.group for s in slots],  # a resume matches param groups by their members
+        "chunk_bytes": layout.chunk_bytes,
+        "state_precision": config.state_precision,
+        "master": config.master,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **world_meta(),
+    }
+    generation = backend.commit(small, meta)
+    step_state.changed = False  # the commit holds any state loaded before it
+    return generation
+
+
+def drain_writes(parts: OptimizerParts) -> None:
+    """Wait for the steps' write-behinds; raise the first that failed.
+
+    A failed write-behind lost a slice's new state (its buffers went back to the pool) and
+    left the old one in the store, and the pipeline raises it only once: the state is marked
+    ``failed`` first, so that no later commit at ``close()`` holds a mix of old and new.
+    """
+    try:
+        parts.backend.pipeline.drain()
+    except BaseException:
+        parts.state.failed = True
+        raise
+
+
+def steps_of(meta: dict[str, Any] | None) -> int:
+    """The step count a commit's metadata holds (0: no commit yet)."""
+    return 0 if meta is None else int(meta.get("steps", 0))
+
+
+def final_commit(parts: OptimizerParts) -> None:
+    """At ``close()``: commit the steps (or loaded state) since the last commit, where a resume
+    can use the commit; warn when there are such steps that cannot be committed."""
+    backend, config, step_state = parts.backend, parts.config, parts.state
+    if backend.closed or not config.durable or config.swap_dir is None:
+        return  # closed already, a scratch store, or a temporary folder that close() removes
+    meta = backend.committed_meta()
+    committed = steps_of(meta)
+    if committed == step_state.steps and not step_state.changed:
+        return
+    where = f"swap_dir {str(backend.path)!r}"
+    world = world_meta()
+    if meta is not None and any(meta.get(k, 0 if k == "rank" else 1) != world[k] for k in world):
+        reason = "the torch.distributed process group was destroyed before close()"
+    elif step_state.failed or step_state.plan is not None:
+        reason = "a step failed (or is under way) and left the state between two steps"
+    else:
+        reason = ""
+    if reason:
+        warnings.warn(
+            f"{where}: steps after step {committed} were not committed, because {reason}; "
+            f"resume=True continues from step {committed}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    try:
+        commit(parts)
+    except Exception as exc:
+        # The store closed under an open backend: a commit failed past its commit point (the
+        # journal holds it), and the reopen of a resume finishes it.
+        resume = (
+            "resume=True finishes that commit and continues from the step it holds"
+            if isinstance(exc, StoreClosedError)
+            else f"resume=True continues from step {committed}"
+        )
+        warnings.warn(
+            f"{where}: close() could not commit steps {committed + 1}..{step_state.steps} "
+            f"({type(exc).__name__}: {exc}); {resume}",
+            RuntimeWarning,
+            stacklevel=3,
+        )

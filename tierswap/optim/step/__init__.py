@@ -1,0 +1,30 @@
+"""Stepping: how a step runs its slices, and when (in ``step()``, in backward, into forward).
+
+Owns the :class:`Stepper` (a step's slices as pipeline jobs, stepped now, in backward hooks or
+on a worker while the next forward runs), the work of one slice (torch's own kernel on flat
+views of the slice's state, decoding and encoding compact state), the worker of deferred
+steps, the gradient hooks that tell the optimizer a parameter's gradient is final, and the C
+allocator's settings while a step runs.
+
+- ``_stepper``: :class:`Stepper`;
+- ``_slice_work``: one slice's work, as the pipeline calls it;
+- ``_deferred``: the worker of ``overlap="forward"`` (:class:`DeferredSteps`);
+- ``_hooks``: the post-accumulate-grad hooks;
+- ``_memory``: the allocator around a step (:func:`step_allocations`).
+"""
+
+from __future__ import annotations
+
+from tierswap.optim.step._deferred import DeferredSteps
+from tierswap.optim.step._hooks import register as register_grad_hooks
+from tierswap.optim.step._hooks import remove as remove_grad_hooks
+from tierswap.optim.step._memory import step_allocations
+from tierswap.optim.step._stepper import Stepper
+
+__all__ = [
+    "DeferredSteps",
+    "Stepper",
+    "register_grad_hooks",
+    "remove_grad_hooks",
+    "step_allocations",
+]
