@@ -194,3 +194,32 @@ def test_a_device_without_room_for_a_job_is_refused(store, recorder) -> None:
         pipeline.run(_jobs()[1:2], _doubling(recorder))
     pipeline.release()
     assert pipeline.held == 0
+
+
+def test_flushing_device_resident_jobs_counts_their_host_copies(store, recorder) -> None:
+    """A device-resident job is written through host buffers reserved in the host ledger (the
+    room one streamed job has), one job after another, given back once written."""
+    pipeline = _pipeline(store, recorder, device_jobs=4, host_jobs=1)
+    jobs = _jobs({1: DEVICE, 2: DEVICE, 3: DEVICE})[1:]
+    pipeline.run(jobs, _doubling(recorder))
+    pipeline.drain()
+    before = pipeline.tier_stats()
+    held_at_copy: list[int] = []
+    to_host = recorder.to_host
+
+    def counted(device_tensor, host_tensor=None):
+        held_at_copy.append(pipeline.held)  # the host bytes reserved when the copy starts
+        return to_host(device_tensor, host_tensor)
+
+    recorder.to_host = counted  # type: ignore[method-assign]
+    pipeline.flush()
+    after = pipeline.tier_stats()
+    assert (
+        held_at_copy == [JOB] * 3
+    )  # each device-resident job's copy has its room in the host ledger
+    assert after[HOST].used == before[HOST].used  # the copies' buffers went back
+    assert after[HOST].peak <= after[HOST].budget == JOB
+    assert after[DEVICE].bytes_out - before[DEVICE].bytes_out == 3 * 2048 * 4
+    _assert_big(store, 2)
+    pipeline.evict()
+    assert pipeline.held == 0

@@ -504,18 +504,37 @@ class Pipeline:
         if self._staging is not None:
             self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
-        copies: list[Future[Any]] = []
         for name, tensors in self._resident.items():
             if self._resident_in[name][0] == DEVICE and self._transfers.moves:
-                outs = {r: self._transfers.to_host(t) for r, t in tensors.items()}
-                on_host.update({region: out.host_tensor for region, out in outs.items()})
-                copies += [out.done for out in outs.values()]
+                self._write_from_device(self._resident_in[name][1], tensors)
             else:
                 on_host.update(tensors)
-        self._disk.write(on_host, after=gather(copies))
+        self._disk.write(on_host)
         self.drain()  # waits for the writes, and raises the first that failed
         for name, tensors in self._resident.items():
             self._ledgers[self._resident_in[name][0]].count_moved(out=nbytes_of(tensors))
+
+    def _write_from_device(self, nbytes: int, tensors: dict[Region, torch.Tensor]) -> None:
+        """Write a device-resident job's ``tensors`` (``nbytes`` reserved on the device)
+        through host buffers reserved in the host ledger like a streamed job's (waiting for
+        write-behinds to free the room), given back once the write has ended."""
+        with self._cv:
+            self._reserve(nbytes)
+        buffers: list[torch.Tensor] = []
+        try:
+            copies = {}
+            for region, tensor in tensors.items():
+                buffers.append(self._buffers.take(tensor.numel() * tensor.element_size()))
+                host = buffers[-1][: tensor.numel() * tensor.element_size()].view(tensor.dtype)
+                copies[region] = self._transfers.to_host(tensor, host)
+        except BaseException:
+            self._buffers.give_back(buffers, nbytes)
+            raise
+        self._disk.write(
+            {region: copy.host_tensor for region, copy in copies.items()},
+            after=gather([copy.done for copy in copies.values()]),
+            then=lambda _: self._buffers.give_back(buffers, nbytes),
+        )
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
