@@ -43,7 +43,8 @@ STREAM_SLICES = 4
 #: resident in the device tier: one copying in while one steps and one copies back.
 DEVICE_STREAM_SLICES = 3
 #: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
-#: it is smaller), so that slices stay large enough for the disk; the rest holds resident slices.
+#: it is smaller; less when the budgets hold much of the state: ``_streaming_part``), so that
+#: slices stay large enough for the disk; the rest holds resident slices.
 STREAM_FLOOR = 32 << 20
 #: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
@@ -93,10 +94,11 @@ def plan_layout(
 
     ``host_budget=None`` sizes the host tier to the whole state. When the state fits it, the
     slices are large; else each is about a ``STREAM_SLICES``-th of the streaming part of the
-    budget (a tenth, at least ``STREAM_FLOOR``). The policy then chooses, on the step's cyclic
-    schedule (forward order with ``forward_order``), which slices stay resident: in the device
-    tier first (``device_budget``), then in host memory (what the host budget has beyond the
-    streaming part); the rest streams from disk (:func:`tierswap.engine.place`).
+    budget (a tenth, at least a floor: :func:`_streaming_part`). The policy then chooses, on
+    the step's cyclic schedule (forward order with ``forward_order``), which slices stay
+    resident: in the device tier first (``device_budget``), then in host memory (what the host
+    budget has beyond the streaming part); the rest streams from disk
+    (:func:`tierswap.engine.place`).
     ``chunk_bytes`` keeps a chunking already stored (``None``: choose one).
     ``device_compute``: slices step on a GPU, so streamed ones pass through device memory too.
     Raises ``ConfigError`` when a slice does not fit a budget.
@@ -112,12 +114,13 @@ def plan_layout(
 
     chunk = chunk_bytes or _chunk_for(chunk_target(slots, MAX_SLICE_BYTES))
     whole = plan_slices(slots[::-1], MAX_SLICE_BYTES, chunk)
-    total = sum(held(piece) for piece in whole) + max(map(work, whole), default=0)
+    state = sum(held(piece) for piece in whole)
+    total = state + max(map(work, whole), default=0)
     budget = host_budget if host_budget is not None else max(total, 1)
     stream = 0
     slices = whole
     if total > budget:
-        stream = max(budget // 10, min(budget, STREAM_FLOOR))
+        stream = _streaming_part(budget, device_budget, state)
         share = 1 if device_compute else _work_share(slots)
         target = min(max(int(stream * share), 1), MAX_SLICE_BYTES)
         chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
@@ -137,6 +140,22 @@ def plan_layout(
     placed = place(policy, schedule, sizes, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
     return Layout(list(slots), slices, placement, chunk, budget)
+
+
+def _streaming_part(budget: int, device_budget: int, state: int) -> int:
+    """Host bytes for the slices in flight: a tenth of ``budget``, at least ``STREAM_FLOOR``
+    (or the whole budget when it is smaller) so that slices stay large enough for the disk.
+
+    The floor buys large slices with residency. Where the budgets hold little of the
+    ``state`` (the slices' held bytes) that is cheap, but where they hold much of it (more than
+    a fifth) the floor would leave a large share of them to streaming: it then shrinks with the
+    share that streams, ``(state - budgets) / (4 x budgets)``, so that resident slices fill
+    about 90% of the budgets (the disk traffic stays within 1.05 x (state - 0.9 x budgets))."""
+    budgets = budget + device_budget
+    floor = STREAM_FLOOR
+    if 0 < state - budgets < 4 * budgets:
+        floor = STREAM_FLOOR * (state - budgets) // (4 * budgets)
+    return max(budget // 10, min(budget, floor))
 
 
 def _capacities(

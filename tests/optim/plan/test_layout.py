@@ -1,0 +1,54 @@
+"""The layout: how much of the budgets resident slices fill, and what streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierswap.optim.plan import _layout
+from tierswap.optim.plan._partition import Slot, master_dtype
+
+FLOOR = 8 << 20  # STREAM_FLOOR (32 MiB) scaled as a 134 MB budget to a 32 MiB one
+
+
+def _slots(count: int = 8, numel: int = 1 << 20) -> list[Slot]:
+    """``count`` fp32 parameters of ``numel`` elements with AdamW's two fp32 moments."""
+    params = [torch.zeros(numel) for _ in range(count)]
+    return [Slot(i, p, 0, master_dtype(p) != p.dtype, (4, 4)) for i, p in enumerate(params)]
+
+
+def _resident_bytes(layout: _layout.Layout) -> int:
+    return sum(piece.held_bytes for piece in layout.slices if piece.index in layout.placement)
+
+
+def _state(slots: list[Slot]) -> int:
+    whole = _layout.plan_layout(slots, host_budget=None, device_budget=0, policy="lookahead")
+    return sum(piece.held_bytes for piece in whole.slices)
+
+
+@pytest.mark.parametrize(("host", "device"), [(0.5, 0.0), (0.25, 0.25), (0.75, 0.0)])
+def test_resident_slices_fill_nine_tenths_of_budgets_that_hold_much_of_the_state(
+    monkeypatch: pytest.MonkeyPatch, host: float, device: float
+) -> None:
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", FLOOR)
+    slots = _slots()
+    state = _state(slots)
+    budgets = int((host + device) * state)
+    layout = _layout.plan_layout(
+        slots, host_budget=int(host * state), device_budget=int(device * state),
+        policy="lookahead",
+    )  # fmt: skip
+    streamed = state - _resident_bytes(layout)
+    assert streamed <= 1.05 * (state - 0.9 * budgets), (streamed / state, host, device)
+
+
+def test_budgets_small_against_the_state_keep_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the budget holds little of the state, slices stay a floor's quarter: large enough
+    for the disk, though a quarter of the budget then streams."""
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", FLOOR)
+    slots = _slots()
+    state = _state(slots)
+    budget = state // 8
+    layout = _layout.plan_layout(slots, host_budget=budget, device_budget=0, policy="lookahead")
+    assert max(piece.held_bytes for piece in layout.slices) >= FLOOR // 8
+    assert _resident_bytes(layout) <= budget - FLOOR
