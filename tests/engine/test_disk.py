@@ -103,3 +103,31 @@ def test_overlap() -> None:
     assert not overlap(Region("a", 0, 4), Region("b", 0, 4))
     assert overlap("a", Region("a", 9, 10))
     assert not overlap("a", "b")
+
+
+def test_a_write_is_in_flight_until_its_then_has_run(store) -> None:
+    """``wait`` returns, and ``in_flight`` turns false, only once each write's ``then`` has
+    run: a front end that waits for its writes finds their bytes and buffers given back."""
+    cv = threading.Condition()
+    disk = Disk(store, cv)
+    entered, go = threading.Event(), threading.Event()
+    ended: list[BaseException | None] = []
+
+    def then(error: BaseException | None) -> None:
+        entered.set()
+        assert go.wait(5)
+        ended.append(error)
+
+    disk.write({Region("x", 0, 4): torch.ones(4)}, then=then)
+    assert entered.wait(5)  # the store has the write; its then runs
+    with cv:
+        assert disk.in_flight
+    waiter = threading.Thread(target=disk.wait)
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive()
+    go.set()
+    waiter.join(5)
+    assert ended == [None]
+    with cv:
+        assert not disk.in_flight

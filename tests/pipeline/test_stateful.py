@@ -2,23 +2,30 @@
 
 Passes over random jobs (streamed, or resident in the device or host tier), prefetches,
 releases, flushes and evictions, with reads and writes delayed or failing at random, must keep
-the ledgers within their budgets at every step and leave the store holding what the model says
-once a flush has run. A second machine runs the same rules with the work on the device: the
-recording stand-in of the transfer layer copies every job in and out late, and no work may
-use a copy before waiting for it.
+the ledgers within their budgets at every step, give the work of every job the value the model
+says, write each job's value, and leave the store holding what the model says once a flush has
+run. The comparisons go on after a failure: a region whose write failed may hold the value
+before or the value written (the model keeps both until the next write of it), every other
+region one value. Each injected write failure is raised exactly once; after ``release()`` and
+``drain()`` the pipeline holds its host-resident jobs' bytes, no more. A second machine runs
+the same rules with the work on the device: the recording stand-in of the transfer layer copies
+every job in and out late, and no work may use a copy before waiting for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -33,15 +40,40 @@ NUMEL = 4 * CHUNK // 4  # four chunks of float32 per key
 JOB_BYTES = CHUNK  # each job reads one chunk of one key
 
 
+class InjectedFault(OSError):  # noqa: N818 (a fault the test injects, named as such)
+    """A failure :class:`FlakyStore` injects: a read's, or a write's (``late``: the data landed
+    before the failure was reported)."""
+
+    def __init__(self, kind: str, late: bool = False) -> None:
+        code, how = (28, " (late)") if kind == "write" else (5, "")
+        super().__init__(code, f"injected {kind} failure{how}")
+        self.kind, self.late = kind, late
+
+
+@dataclasses.dataclass(frozen=True)
+class Put:
+    """A region write the pipeline asked the store for: what it writes, and its injected
+    failure (``None``: it lands)."""
+
+    key: str
+    start: int
+    data: torch.Tensor
+    fault: InjectedFault | None
+
+
 class FlakyStore:
-    """A store whose region I/O can be slowed, or made to fail, call by call."""
+    """A store whose region I/O can be slowed, or made to fail, call by call; it logs every
+    write it is asked for, in order, with a copy of the bytes the caller hands it then (the
+    store itself writes the caller's tensor, later: a caller that changes it too early shows)."""
 
     def __init__(self, inner: SwapStore) -> None:
         self.inner = inner
-        self.fail_next_write = False
+        self.write_fault: str | None = None  # "fail": before the data lands; "late": after
         self.fail_next_read = False
         self.delay = 0.0
-        self.writes_failed = 0
+        self.fired: list[InjectedFault] = []
+        self.puts: list[Put] = []
+        self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="flaky-store")
 
     def info(self, key: str) -> Any:
@@ -51,18 +83,31 @@ class FlakyStore:
         return self.inner.stats()
 
     def get_region_async(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:
-        if self.fail_next_read:
+        with self._lock:
+            fault = InjectedFault("read") if self.fail_next_read else None
             self.fail_next_read = False
-            return _failed(OSError(5, "injected read failure"))
+            if fault is not None:
+                self.fired.append(fault)
+        if fault is not None:
+            return _failed(fault)
         return self._later(lambda: self.inner.get_region(key, start, stop, out=out))
 
     def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
-        if self.fail_next_write:
-            self.fail_next_write = False
-            self.writes_failed += 1
-            return _failed(OSError(28, "injected write failure"))
-        data = tensor.clone()  # the model's view: what this write will leave in the store
-        return self._later(lambda: self.inner.put_region(key, start, data))
+        with self._lock:
+            mode, self.write_fault = self.write_fault, None
+            fault = InjectedFault("write", late=mode == "late") if mode is not None else None
+            if fault is not None:
+                self.fired.append(fault)
+            self.puts.append(Put(key, start, tensor.clone(), fault))
+        if fault is None:
+            return self._later(lambda: self.inner.put_region(key, start, tensor))
+        if fault.late:  # the data lands, then the failure is reported
+            return self._later(lambda: (self.inner.put_region(key, start, tensor), _raise(fault)))
+        return _failed(fault)
+
+    def new_puts(self, seen: int) -> list[Put]:
+        with self._lock:
+            return self.puts[seen:]
 
     def _later(self, call: Any) -> Future[Any]:
         """``call()`` after the delay, on the store's one worker: in the order the calls were
@@ -85,13 +130,27 @@ def _failed(error: BaseException) -> Future[Any]:
     return future
 
 
+def _raise(error: BaseException) -> Any:
+    raise error
+
+
 def _job(index: int, tier: str | None) -> Job:
     key, chunk = KEYS[index % 2], index // 2
     start = chunk * (CHUNK // 4)
     return Job(index, (Region(key, start, start + CHUNK // 4),), JOB_BYTES, tier=tier)
 
 
+def _one_of(got: torch.Tensor, candidates: list[torch.Tensor]) -> bool:
+    return any(torch.equal(got, c) for c in candidates)
+
+
 class PipelineMachine(RuleBasedStateMachine):
+    """A pipeline over a :class:`FlakyStore`, one caller, against a model of each job's region:
+    ``value`` (what the job's data is now: the last result of its work) and ``stored`` (what
+    the store may hold: one value, or, after a failed write, the value before and the value
+    written). The store's log of writes drives ``stored``; each write must carry the job's
+    ``value``."""
+
     ON_DEVICE = False  # the work gets device copies (through the recording stand-in)
 
     def __init__(self) -> None:
@@ -99,12 +158,19 @@ class PipelineMachine(RuleBasedStateMachine):
         self.transfers = RecordingTransfers(delay=0.0005) if self.ON_DEVICE else None
         self.dir = Path(tempfile.mkdtemp(prefix="tierswap-pipe-sm-"))
         self.inner = SwapStore(self.dir / "s", mode="w", durable=False, chunk_bytes=CHUNK)
-        self.model = {key: torch.arange(NUMEL, dtype=torch.float32) * (i + 1) for i, key in
-                      enumerate(KEYS)}  # fmt: skip
-        for key, value in self.model.items():
+        initial = {key: torch.arange(NUMEL, dtype=torch.float32) * (i + 1) for i, key in
+                   enumerate(KEYS)}  # fmt: skip
+        for key, value in initial.items():
             self.inner.put(key, value)
         self.store = FlakyStore(self.inner)
-        self.lost = False  # a write failed: the store may hold less than the model
+        self.value: dict[int, torch.Tensor] = {}
+        self.stored: dict[int, list[torch.Tensor]] = {}
+        for index in range(8):
+            region = _job(index, None).reads[0]
+            self.value[index] = initial[region.key][region.start : region.stop].clone()
+            self.stored[index] = [self.value[index]]
+        self.seen = 0  # puts of the store's log applied to ``stored``
+        self.reported: set[int] = set()  # ids of the injected faults the pipeline raised
 
     @initialize(
         host_jobs=st.integers(1, 4),
@@ -129,6 +195,45 @@ class PipelineMachine(RuleBasedStateMachine):
         )
         self.jobs = [_job(i, tier) for i, tier in enumerate(tiers)]
 
+    # ------------------------------------------------------------ the model
+    def _index(self, key: str, start: int) -> int:
+        return (start // (CHUNK // 4)) * 2 + KEYS.index(key)
+
+    def _apply_puts(self) -> None:
+        """Apply the store's new writes to ``stored``: each carries its job's value; a failed
+        one may or may not have landed, so the region may hold the value before or this one."""
+        for put in self.store.new_puts(self.seen):
+            self.seen += 1
+            index = self._index(put.key, put.start)
+            assert torch.equal(put.data, self.value[index]), f"job {index} wrote another value"
+            if put.fault is None:
+                self.stored[index] = [put.data]
+            else:
+                event("a region may hold either value (a failed write)")
+                self.stored[index] = [*self.stored[index], put.data]
+
+    def _report(self, exc: OSError) -> None:
+        """The pipeline raised ``exc``: an injected fault, fired, and raised once."""
+        if not isinstance(exc, InjectedFault):
+            raise exc
+        assert any(exc is fault for fault in self.store.fired), exc
+        assert id(exc) not in self.reported, f"{exc} was raised twice"
+        self.reported.add(id(exc))
+
+    def _unreported_writes(self) -> list[InjectedFault]:
+        return [f for f in self.store.fired if f.kind == "write" and id(f) not in self.reported]
+
+    def _compare_store(self) -> None:
+        """Every write has ended: the store holds one of each region's values, and each job's
+        value reached the store unless a write of it failed."""
+        self._apply_puts()
+        for index, candidates in self.stored.items():
+            region = _job(index, None).reads[0]
+            got = self.inner.get_region(region.key, region.start, region.stop)
+            assert _one_of(got, candidates), f"job {index}'s region holds none of its values"
+            assert _one_of(self.value[index], candidates), f"job {index}'s value was not written"
+
+    # ------------------------------------------------------------ rules
     @rule(data=st.data(), step=st.floats(-3, 3, allow_nan=False))
     def run(self, data: st.DataObject, step: float) -> None:
         chosen = data.draw(st.lists(st.sampled_from(self.jobs), min_size=1, max_size=8,
@@ -137,34 +242,51 @@ class PipelineMachine(RuleBasedStateMachine):
         def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
             if self.transfers is not None:
                 self.transfers.note("step", ptrs_of(tensors.values()))
-            for region, tensor in tensors.items():
+            self._apply_puts()  # the writes before this job's read
+            (got,) = tensors.values()
+            if self.pipeline.resident_tier(job.name) is not None:  # kept from its last pass
+                assert torch.equal(got.cpu(), self.value[job.name]), f"job {job.name} changed"
+            else:  # read from the store
+                assert _one_of(got.cpu(), self.stored[job.name]), f"job {job.name} misread"
+            for tensor in tensors.values():
                 tensor.add_(step)
-                self.model[region.key][region.start : region.stop] += step
+            self.value[job.name] = got.cpu().clone()
             return dict(tensors)
 
         try:
             self.pipeline.run(chosen, work)
         except BudgetError as exc:  # never: one streamed job always fits beside the residents
             raise AssertionError(exc) from exc
-        except OSError:
+        except OSError as exc:  # a failed read or write-behind: the pass stopped part way
+            self._report(exc)
             self.pipeline.release()
-            self.lost = True  # a failed read or write-behind: the pass stopped part way
 
     @rule(count=st.integers(1, 8))
     def prefetch(self, count: int) -> None:
         self.pipeline.prefetch(self.jobs[:count])
 
     @rule()
-    def release(self) -> None:
+    def release_and_drain(self) -> None:
+        """Once reads ahead are dropped and writes drained, the pipeline holds the bytes of
+        its host-resident jobs, no more."""
         self.pipeline.release()
+        try:
+            self.pipeline.drain()
+        except OSError as exc:
+            self._report(exc)
+        resident = [j for j in self.jobs if self.pipeline.resident_tier(j.name) == "host"]
+        assert self.pipeline.held == sum(j.nbytes for j in resident)
 
     @rule(delay=st.sampled_from([0.0, 0.0, 0.002]))
     def slow_disk(self, delay: float) -> None:
         self.store.delay = delay
 
-    @rule()
-    def fail_a_write(self) -> None:
-        self.store.fail_next_write = True
+    @rule(late=st.booleans())
+    def fail_a_write(self, late: bool) -> None:
+        """Arm the next write's failure; one at a time (the pipeline raises the first of
+        several): then each is raised exactly once."""
+        if self.store.write_fault is None and not self._unreported_writes():
+            self.store.write_fault = "late" if late else "fail"
 
     @rule()
     def fail_a_read(self) -> None:
@@ -172,23 +294,22 @@ class PipelineMachine(RuleBasedStateMachine):
 
     @rule()
     def flush_and_compare(self) -> None:
-        self.store.fail_next_write = False
+        self.store.write_fault = None
         try:
             self.pipeline.flush()
-        except OSError:
-            self.lost = True
+        except OSError as exc:
+            self._report(exc)
             return
-        if not self.lost:
-            for key, value in self.model.items():
-                assert torch.equal(self.inner.get(key), value), key
+        assert not self._unreported_writes(), "a failed write was never raised"
+        self._compare_store()
 
     @rule()
     def evict(self) -> None:
-        self.store.fail_next_write = False
+        self.store.write_fault = None
         try:
             self.pipeline.evict()
-        except OSError:
-            self.lost = True
+        except OSError as exc:
+            self._report(exc)
 
     @invariant()
     def ledgers_hold(self) -> None:
@@ -198,15 +319,21 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
+            self.store.write_fault = None
             self.pipeline.release()
-            self.pipeline.drain()
-        except OSError:
-            pass
-        self.store.close()
-        self.inner.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            try:  # every resident job is written: its writes all start, whichever fails
+                self.pipeline.flush()
+            except OSError as exc:
+                self._report(exc)
+            assert not self._unreported_writes(), "a failed write was never raised"
+            self._compare_store()
+        finally:
+            self.store.close()
+            self.inner.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            if self.transfers is not None:
+                self.transfers.close()
         if self.transfers is not None:
-            self.transfers.close()
             assert steps_after_their_copies(self.transfers.log) == []
 
 
@@ -214,9 +341,19 @@ PipelineMachine.TestCase.settings = settings(
     max_examples=25,
     stateful_step_count=15,
     deadline=None,
+    # threads make replays inexact: shrinking one failure, not each, keeps a failing run short
+    report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow],
 )
+DEEP = settings(PipelineMachine.TestCase.settings, max_examples=150, stateful_step_count=40)
 TestPipelineMachine = PipelineMachine.TestCase
+
+
+@pytest.mark.slow
+class TestPipelineMachineDeep(PipelineMachine.TestCase):
+    """At the cache fault machine's depth (run with -m slow)."""
+
+    settings = DEEP
 
 
 class DeviceWorkMachine(PipelineMachine):
@@ -225,3 +362,10 @@ class DeviceWorkMachine(PipelineMachine):
 
 DeviceWorkMachine.TestCase.settings = PipelineMachine.TestCase.settings
 TestDeviceWorkMachine = DeviceWorkMachine.TestCase
+
+
+@pytest.mark.slow
+class TestDeviceWorkMachineDeep(DeviceWorkMachine.TestCase):
+    """At the cache fault machine's depth (run with -m slow)."""
+
+    settings = DEEP

@@ -120,10 +120,11 @@ Then = Callable[[BaseException | None], None]
 class Disk:
     """One front end's reads and write-behinds on ``store``.
 
-    ``cv`` is the front end's condition: :attr:`in_flight` is read under it, and the end of a
-    write is recorded under it before the write's ``then`` runs (without it: ``then`` takes it
-    as it needs). Reads and writes may be started from any thread; :meth:`wait` and
-    :meth:`raise_errors` from the front end's callers.
+    ``cv`` is the front end's condition: :attr:`in_flight` is read under it. A write's failure
+    is recorded under it before the write's ``then`` runs (without it: ``then`` takes it as it
+    needs), and the write stays in flight until ``then`` has returned. Reads and writes may be
+    started from any thread; :meth:`wait` and :meth:`raise_errors` from the front end's
+    callers.
     """
 
     def __init__(self, store: StoreProtocol, cv: threading.Condition) -> None:
@@ -211,14 +212,20 @@ class Disk:
         written.add_done_callback(lambda w: _settle(done, w))
 
     def _ended(self, done: Future[Any], then: Then | None) -> None:
+        """Record a write's end: its failure first (for the ``raise_errors`` of whoever its
+        ``then`` wakes), then ``then``, and only then the write leaves :attr:`in_flight`, so
+        that :meth:`wait` (and a front end waiting for room) finds what ``then`` gave back."""
         error = done.exception()
-        with self._cv:
-            if error is not None:
+        if error is not None:
+            with self._cv:
                 self._errors.append(error)
-            self._futures.remove(done)
-            self._cv.notify_all()
-        if then is not None:
-            then(error)
+        try:
+            if then is not None:
+                then(error)
+        finally:
+            with self._cv:
+                self._futures.remove(done)
+                self._cv.notify_all()
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
         """Write the item ``key`` now (a write-through; the caller waits), after any write of
@@ -240,13 +247,9 @@ class Disk:
 
     def wait(self) -> None:
         """Wait until every write started (also those started meanwhile) has ended."""
-        while True:
-            with self._cv:
-                pending = list(self._futures)
-            if not pending:
-                return
-            for future in pending:
-                future.exception()
+        with self._cv:
+            while self._futures:
+                self._cv.wait()  # each end notifies, once its ``then`` has returned
 
     def raise_errors(self) -> None:
         """Raise the first write failure not raised yet (and forget the others)."""
