@@ -1,0 +1,113 @@
+"""Benchmark: peak RSS of an offloaded step against the stated bound, also on a slow disk.
+
+    PYTHONPATH=. python bench/memory_bound.py [--runs 3] [--steps 4] [--throttle 300MB,150MB]
+                                              [--dir D]
+
+The model is 23 fp32 parameters of 4,194,304 elements (96.5M; their gradients set), stepped
+by ``SwapOptimizer`` over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0``.
+Each run is its own process: it notes its RSS after the imports and one step of torch's own
+AdamW on a one-element tensor (the baseline: torch imports its compiler stack, about 75 MiB,
+the first time any optimizer steps; the imports alone are printed too), makes the
+parameters and gradients, steps ``--steps`` times and reports its peak RSS (``VmHWM``). The
+bound tierswap states: baseline + 1.1 x (parameters + gradients + host budget). With
+``--throttle READ,WRITE`` every run goes under a cgroup blkio cap of the folder's disk
+(``bench/_throttle.py``, root only), so that the write-behinds wait on the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PARAMS, NUMEL, BUDGET = 23, 4_194_304, 128 << 20
+MIB = 1 << 20
+
+
+def child(folder: Path, steps: int) -> dict[str, float]:
+    """One run, in this process: baseline, peak and the bound, in bytes."""
+    import torch
+    from _peak import peak_rss
+
+    import tierswap as ts
+
+    imported = _rss()
+    # torch imports its compiler stack (torch._dynamo, ~75 MiB here) the first time any
+    # optimizer steps; the baseline includes it, as every torch training process pays it
+    tiny = torch.zeros(1, requires_grad=True)
+    tiny.grad = torch.zeros(1)
+    torch.optim.AdamW([tiny], fused=True).step()
+    baseline = _rss()
+    torch.manual_seed(0)
+    # filled in place: a temporary per tensor (``randn(n) * 1e-3``) would leave up to ~350 MiB
+    # of freed 16 MiB blocks in glibc's heap (its mmap threshold rises to the largest block
+    # freed), memory of the caller's own making that this bench does not measure
+    params = [torch.nn.Parameter(torch.empty(NUMEL).normal_()) for _ in range(PARAMS)]
+    for p in params:
+        p.grad = torch.empty(NUMEL).normal_(std=1e-3)
+    opt = ts.SwapOptimizer(
+        params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=folder, host_budget=BUDGET,
+        commit_every=0,
+    )  # fmt: skip
+    with opt:
+        for _ in range(steps):
+            opt.step()
+        opt.synchronize()
+    model = 2 * PARAMS * NUMEL * 4  # parameters and gradients
+    return {
+        "imported": imported, "baseline": baseline, "peak": peak_rss(),
+        "bound": baseline + 1.1 * (model + BUDGET),
+    }  # fmt: skip
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--throttle", default=None, help="READ,WRITE caps, e.g. 300MB,150MB")
+    p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
+    p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.steps)))
+        return
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for run in range(args.runs):
+            command = [sys.executable, __file__, "--child", f"{tmp}/run{run}",
+                       "--steps", str(args.steps)]  # fmt: skip
+            if args.throttle:
+                command = [sys.executable, str(ROOT / "bench/_throttle.py"),
+                           "--cap", tmp, args.throttle, "--", *command]  # fmt: skip
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            results.append(result)
+            print(
+                f"run {run + 1}: imports {result['imported'] / MIB:.0f} MiB, baseline (after "
+                f"a first torch optimizer step) {result['baseline'] / MIB:.0f} MiB, peak "
+                f"{result['peak'] / MIB:.0f} MiB, bound {result['bound'] / MIB:.0f} MiB, "
+                f"peak/bound {result['peak'] / result['bound']:.3f}",
+                flush=True,
+            )
+    worst = max(r["peak"] / r["bound"] for r in results)
+    print(f"worst peak/bound over {len(results)} runs: {worst:.3f}"
+          f"{' (throttled ' + args.throttle + ')' if args.throttle else ''}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
