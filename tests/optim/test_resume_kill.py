@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.optim.compact_reference import CompactReference
 from tests.optim.models import (
     assert_same_params,
     assert_same_state,
@@ -22,7 +23,15 @@ from tests.optim.models import (
     make_models,
     train_step,
 )
-from tests.optim.train_child import CHILD_KWARGS, CHILD_LR_DECAY, MUON_KWARGS, MUON_LR, muon_groups
+from tests.optim.train_child import (
+    CHILD_KWARGS,
+    CHILD_LR_DECAY,
+    COMPACT_KWARGS,
+    MUON_KWARGS,
+    MUON_LR,
+    compact_net,
+    muon_groups,
+)
 from tierswap.optim import SwapOptimizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +84,39 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path) -> None:
             train_step(model, opt, batch_for_step(step))
             ref_sched.step()
             opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
+        assert_same_params(ref_model, model)
+
+
+def test_sigkilled_8bit_run_resumes_bit_exact(tmp_path) -> None:
+    """8-bit moments whose scales the layout holds in host memory: each commit writes them,
+    so the resumed run equals a reference that rounds its moments as they are stored."""
+    swap_dir = tmp_path / "run"
+    _run_until_killed(swap_dir, 5, "8bit")
+    model = compact_net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # the resume restores the parameters
+    opt = SwapOptimizer(
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **COMPACT_KWARGS
+    )
+    with opt:
+        assert opt._layout.held_scales > 0
+        assert not opt.placement
+        done = opt.steps
+        assert done >= 5
+        ref_model = compact_net()
+        kwargs = {"lr": CHILD_KWARGS["lr"], "weight_decay": CHILD_KWARGS["weight_decay"]}
+        ref = CompactReference(ref_model, torch.optim.AdamW, kwargs, "8bit")
+        ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref.opt, gamma=CHILD_LR_DECAY)
+        for step in range(done):
+            ref.step(batch_for_step(step))
+            ref_sched.step()
+        assert_same_params(ref_model, model)
+        for step in range(done, done + 2):
+            opt.param_groups[0]["lr"] = ref.opt.param_groups[0]["lr"]
+            ref.step(batch_for_step(step))
+            train_step(model, opt, batch_for_step(step))
+            ref_sched.step()
         assert_same_params(ref_model, model)
 
 

@@ -1,9 +1,10 @@
 """A training process for the kill-and-resume tests.
 
-``python -m tests.optim.train_child DIR [muon]`` trains TinyNet with a SwapOptimizer committing
-every step and prints ``committed <n>`` after each step until it is killed. With ``muon``, the
-matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
-(:func:`muon_groups`).
+``python -m tests.optim.train_child DIR [muon|8bit]`` trains TinyNet with a SwapOptimizer
+committing every step and prints ``committed <n>`` after each step until it is killed. With
+``muon``, the matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
+(:func:`muon_groups`). With ``8bit``, a net of two 8192-element weights (:func:`compact_net`)
+keeps 8-bit moments at a budget that streams them, its scales held in host memory.
 
 ``python -m tests.optim.train_child --serve`` is a fork server for many kill trials: a fork
 costs milliseconds where a new interpreter importing torch costs a second or two. It imports
@@ -39,6 +40,14 @@ CHILD_KWARGS = {"host_budget": 8192, "commit_every": 1, "lr": 1e-2, "weight_deca
 CHILD_LR_DECAY = 0.9
 MUON_LR = 0.02
 MUON_KWARGS = {**CHILD_KWARGS, "host_budget": 64 << 10}  # whole matrices and their temporaries
+#: 8-bit moments streamed (160 KiB of working set), the scales (16 KiB) held beside them
+COMPACT_KWARGS = {**CHILD_KWARGS, "host_budget": 128 << 10, "state_precision": "8bit"}
+
+
+def compact_net() -> torch.nn.Module:
+    """Weights of 8192 elements (8-bit moments) and biases (fp32 moments) over 8 features."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 8))
 
 
 def muon_groups(model: torch.nn.Module) -> list[dict[str, object]]:
@@ -57,6 +66,11 @@ def main(swap_dir: str, recipe: str = "adamw") -> None:
     _, model = make_models()
     if recipe == "muon":
         opt = SwapOptimizer(muon_groups(model), torch.optim.AdamW, swap_dir=swap_dir, **MUON_KWARGS)
+    elif recipe == "8bit":
+        model = compact_net()
+        opt = SwapOptimizer(
+            model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **COMPACT_KWARGS
+        )
     else:
         opt = SwapOptimizer(
             model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **CHILD_KWARGS

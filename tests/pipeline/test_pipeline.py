@@ -81,6 +81,41 @@ def test_resident_jobs_read_once_and_write_at_flush(store) -> None:
     assert pipeline.held == 2 * 2 * CHUNK  # the resident jobs stay in memory
 
 
+def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) -> None:
+    """hold() reads a job once (from a prefetch when one started it), keeps its bytes in the
+    host budget while jobs stream beside it, and leaves writing to flush; other regions under
+    the same name write the old ones back first; evict lets it go."""
+    pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
+    scales = Job("scales", (Region("a", 0, 100),), CHUNK, tier="host")
+    pipeline.prefetch([scales])
+    held = pipeline.hold(scales)
+    assert store.stats()["reads"] == 1
+    assert pipeline.misses == 1
+
+    def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+        held[Region("a", 0, 100)].add_(1)  # the jobs' work updates the held tensors
+        assert pipeline.held <= pipeline.budget
+        return _double(job, tensors)
+
+    for _ in range(2):
+        assert pipeline.hold(scales) is held
+        pipeline.run(_jobs()[1:], work)
+        pipeline.drain()
+    assert pipeline.hits == 2
+    assert pipeline.misses == 1 + 8
+    assert torch.equal(store.get("a"), torch.arange(100.0))  # not written by the passes
+    pipeline.flush()
+    assert torch.equal(store.get("a"), torch.arange(100.0) + 8)
+    assert pipeline.held == CHUNK
+    held[Region("a", 0, 100)].add_(1)
+    other = Job("scales", (Region("b", 0, 100),), CHUNK, tier="host")
+    assert torch.equal(pipeline.hold(other)[Region("b", 0, 100)], -torch.arange(100.0))
+    assert torch.equal(store.get("a"), torch.arange(100.0) + 9)  # written back on the way out
+    assert pipeline.held == CHUNK
+    pipeline.evict()
+    assert pipeline.held == 0
+
+
 def test_prefetch_starts_reads_without_blocking(store) -> None:
     pipeline = Pipeline(store, budget=2 * 2 * CHUNK)
     jobs = _jobs()

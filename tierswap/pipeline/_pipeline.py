@@ -13,9 +13,13 @@ stored tensors) it needs. :meth:`Pipeline.run` moves every job through three sta
 
 Each byte is read once and written once per pass. *Resident* jobs (``Job.tier``) skip stages 1
 and 3 after their first pass: their tensors stay in the device tier or in host memory, counted
-in that tier's budget, until :meth:`Pipeline.flush` writes them. Which jobs stay resident is the
-eviction policy's choice on the cyclic schedule (:func:`tierswap.engine.place`): Belady keeps a
-fixed set and streams the rest, since the job just finished is the one used furthest ahead.
+in that tier's budget, until :meth:`Pipeline.flush` writes them. A *held* job
+(:meth:`Pipeline.hold`) is a host-resident one without work of its own: read once, its tensors
+are the caller's to read and update in place (e.g. data that many jobs' work views: the scales
+of 8-bit state, a page of which serves several slices), written by ``flush``. Which jobs stay
+resident is the eviction policy's choice on the cyclic schedule (:func:`tierswap.engine.place`):
+Belady keeps a fixed set and streams the rest, since the job just finished is the one used
+furthest ahead.
 
 The budgets, buffers, transfers and policies are the engine's (:mod:`tierswap.engine`): one
 :class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
@@ -33,9 +37,9 @@ and the write-behind hands them to the store only when that copy has landed, on 
 completes it: the caller's thread never waits for the device. Streamed jobs in flight on the
 device count in the device ledger (the job's ``nbytes``) until their results have landed.
 
-Thread safety: ``prefetch``, ``run``, ``flush``, ``drain`` and ``release`` are called from one
-thread at a time (the caller's); I/O completions arrive on the store's threads and only touch
-the ledgers and the buffer pools, under one condition variable.
+Thread safety: ``prefetch``, ``run``, ``hold``, ``flush``, ``drain`` and ``release`` are called
+from one thread at a time (the caller's); I/O completions arrive on the store's threads and only
+touch the ledgers and the buffer pools, under one condition variable.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ class Pipeline:
         self._reading: dict[Hashable, _Reading] = {}
         self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
         self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
+        self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
@@ -196,6 +201,38 @@ class Pipeline:
                 raise
             self._finish(job, tensors, staged, writes)
             self._read_ahead(jobs[position + 1 :])
+
+    def hold(self, job: Job) -> dict[Region, torch.Tensor]:
+        """The tensors of ``job``'s regions, kept in host memory from this call on: read once
+        (or taken from a read :meth:`prefetch` started), its ``nbytes`` reserved in the host
+        budget as a host-resident job's, until :meth:`evict`; later calls return the same
+        tensors. No work runs on them: the caller reads and updates them in place (between
+        passes, or in the work of the jobs that :meth:`run` runs), and :meth:`flush` writes
+        them. A held job of the same name with other regions is written back and let go
+        first."""
+        held = self._held.get(job.name)
+        if held == job:
+            self._ledgers[HOST].count_use(hit=True)
+            return self._resident[job.name]
+        if held is not None:
+            self._let_go(job.name)
+        tensors = self._acquire(job)
+        self._resident[job.name] = tensors
+        self._resident_in[job.name] = (HOST, job.nbytes)
+        self._held[job.name] = job
+        return tensors
+
+    def _let_go(self, name: Hashable) -> None:
+        """Write held job ``name``'s tensors back, then return its bytes and buffers."""
+        tensors = self._resident.pop(name)
+        _, nbytes = self._resident_in.pop(name)
+        del self._held[name]
+        self._disk.write(tensors)
+        self.drain()
+        with self._cv:
+            self._buffers.forget(tensors.values())
+            self._ledgers[HOST].release(nbytes)
+        self._ledgers[HOST].count_moved(out=nbytes_of(tensors))
 
     def scratch(self, job: Job) -> torch.Tensor | None:
         """The work buffer for ``job``'s work while it runs (``job.scratch`` bytes or more,
@@ -550,6 +587,7 @@ class Pipeline:
                 self._ledgers[tier].release(nbytes)
             self._resident.clear()
             self._resident_in.clear()
+            self._held.clear()
             self._dtypes.clear()
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:

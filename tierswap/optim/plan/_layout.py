@@ -58,6 +58,17 @@ class Layout:
     ``placement`` maps slice indices to ``"device"`` or ``"host"``; a slice not in it streams
     from disk every step. ``chunk_bytes`` is the chunk size of the state arrays (slices cut
     parameters at its multiples), ``host_budget`` the bytes of the host tier.
+
+    ``held_scales`` is the host bytes (part of ``host_budget``) that hold the 8-bit scales
+    (absmax) of every slot slices cut, whole, from their first read until the pipeline writes
+    them back (a flush, a commit, a layout change): each slice then views its scales there
+    instead of reading and rewriting them. 0: each slice reads its own, as its other state.
+    A page of scales covers 262,144 elements (1,024 blocks), so when the budget makes slices
+    smaller than that, several slices share each page: read per slice, a page would be read
+    (and rewritten) once by each of them. Held, the scales cost 1/64 of the codes in memory
+    and save at least their own bytes of disk traffic per step, which no resident slice's
+    bytes do better: the layout holds them whenever the state streams and they fit
+    (:func:`_scales_to_hold`).
     """
 
     slots: list[Slot]
@@ -65,6 +76,7 @@ class Layout:
     placement: dict[int, TierName]
     chunk_bytes: int
     host_budget: int
+    held_scales: int = 0
 
     #: Slot index -> the slices that hold part of it.
     slices_of: dict[int, list[Slice]] = dataclasses.field(init=False)
@@ -94,52 +106,88 @@ def plan_layout(
 
     ``host_budget=None`` sizes the host tier to the whole state. When the state fits it, the
     slices are large; else each is about a ``STREAM_SLICES``-th of the streaming part of the
-    budget (a tenth, at least a floor: :func:`_streaming_part`). The policy then chooses, on
-    the step's cyclic schedule (forward order with ``forward_order``), which slices stay
-    resident: in the device tier first (``device_budget``), then in host memory (what the host
-    budget has beyond the streaming part); the rest streams from disk
-    (:func:`tierswap.engine.place`).
-    ``chunk_bytes`` keeps a chunking already stored (``None``: choose one).
-    ``device_compute``: slices step on a GPU, so streamed ones pass through device memory too.
-    Raises ``ConfigError`` when a slice does not fit a budget.
+    budget (a tenth, at least a floor: :func:`_streaming_part`), and the 8-bit scales are held
+    in host memory when they are small beside the budget and the step runs on the CPU
+    (:attr:`Layout.held_scales`, :func:`_scales_to_hold`). The policy then chooses, on the
+    step's cyclic schedule (forward order with ``forward_order``), which slices stay resident:
+    in the device tier first (``device_budget``), then in host memory (what the host budget
+    has beyond the streaming part and the held scales); the rest streams from disk
+    (:func:`tierswap.engine.place`). ``chunk_bytes`` keeps a chunking already stored
+    (``None``: choose one). ``device_compute``: slices step on a GPU, so streamed ones pass
+    through device memory too. Raises ``ConfigError`` when a slice does not fit a budget.
 
     How the streaming part is counted: :func:`_capacities`.
     """
-
-    def held(piece: Slice) -> int:
-        return piece.working_set if device_compute else piece.held_bytes
-
-    def work(piece: Slice) -> int:
-        return 0 if device_compute else piece.scratch_bytes
-
     chunk = chunk_bytes or _chunk_for(chunk_target(slots, MAX_SLICE_BYTES))
     whole = plan_slices(slots[::-1], MAX_SLICE_BYTES, chunk)
-    state = sum(held(piece) for piece in whole)
-    total = state + max(map(work, whole), default=0)
+    sizes = _Sizes(device_compute)
+    state = sum(map(sizes.held, whole))
+    total = state + max(map(sizes.work, whole), default=0)
     budget = host_budget if host_budget is not None else max(total, 1)
-    stream = 0
-    slices = whole
+    stream, slices = 0, whole
     if total > budget:
-        stream = _streaming_part(budget, device_budget, state)
-        share = 1 if device_compute else _work_share(slots)
-        target = min(max(int(stream * share), 1), MAX_SLICE_BYTES)
-        chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
-        slices = plan_slices(slots[::-1], target, chunk)
+        for scales in _scales_to_hold(slots, budget, device_compute):
+            sizes = _Sizes(device_compute, scales > 0)
+            room = budget - scales
+            stream = _streaming_part(room, device_budget, state - scales)
+            share = 1 if device_compute else _work_share(slots)
+            target = min(max(int(stream * share), 1), MAX_SLICE_BYTES)
+            chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
+            slices = plan_slices(slots[::-1], target, chunk)
+            if max(map(sizes.working_set, slices), default=0) <= room:
+                break
     check_budget(slices, budget, "host_budget")
     if device_compute:
         check_budget(slices, device_budget, "device_budget")
-    largest = max((held(piece) for piece in slices), default=0)
-    work_buffer = max(map(work, slices), default=0)
     capacities = _capacities(
-        largest, work_buffer, budget=budget, stream=stream, device_budget=device_budget,
+        max(map(sizes.held, slices), default=0), max(map(sizes.work, slices), default=0),
+        budget=budget - sizes.scales(slots), stream=stream, device_budget=device_budget,
         device_compute=device_compute,
     )  # fmt: skip
-    sizes = {str(piece.index): held(piece) for piece in slices}
     order = slices[::-1] if forward_order else slices
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
-    placed = place(policy, schedule, sizes, capacities)
+    placed = place(policy, schedule, {str(p.index): sizes.held(p) for p in slices}, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
-    return Layout(list(slots), slices, placement, chunk, budget)
+    return Layout(list(slots), slices, placement, chunk, budget, sizes.scales(slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """How a layout counts a slice's bytes: what it holds from its reads to the end of its
+    write-back (on a GPU, its whole working set), its work buffers (one buffer for all
+    slices on the CPU: not counted per slice), and, with ``scales_held``, without its 8-bit
+    scales, which the layout holds for all slices at once (:attr:`Layout.held_scales`)."""
+
+    device_compute: bool
+    scales_held: bool = False
+
+    def held(self, piece: Slice) -> int:
+        held = piece.working_set if self.device_compute else piece.held_bytes
+        return held - self._own_scales(piece)
+
+    def work(self, piece: Slice) -> int:
+        return 0 if self.device_compute else piece.scratch_bytes
+
+    def working_set(self, piece: Slice) -> int:
+        return piece.working_set - self._own_scales(piece)
+
+    def scales(self, slots: list[Slot]) -> int:
+        """The bytes of the scales held for ``slots``."""
+        return sum(slot.scales_bytes for slot in slots) if self.scales_held else 0
+
+    def _own_scales(self, piece: Slice) -> int:
+        return piece.scales_bytes if self.scales_held else 0
+
+
+def _scales_to_hold(slots: list[Slot], budget: int, device_compute: bool) -> list[int]:
+    """The bytes of held 8-bit scales to try, in order, for a layout that streams: all of the
+    cut slots' scales when the step runs on the CPU and they take at most an eighth of the
+    budget, then none (when the slices do not fit beside them); else none. On a GPU the
+    slices' scales travel to the device with them."""
+    scales = sum(slot.scales_bytes for slot in slots)
+    if device_compute or scales == 0 or scales > budget // 8:
+        return [0]
+    return [scales, 0]
 
 
 def _streaming_part(budget: int, device_budget: int, state: int) -> int:

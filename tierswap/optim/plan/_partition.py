@@ -242,6 +242,15 @@ class Slot:
         return sum(_footprint(numel * size) for size in self.state_itemsizes)
 
     @property
+    def scales_bytes(self) -> int:
+        """Footprint of the whole 8-bit scales (absmax) arrays of a slot that slices cut (the
+        bytes a layout holding them in host memory keeps for the slot: :class:`Layout`); 0
+        for other slots."""
+        if self.whole or self.stored_precision != "8bit":
+            return 0
+        return self.state_count * _footprint(4 * num_blocks(self.local.numel()))
+
+    @property
     def master_bytes(self) -> int:
         """Footprint of the stored master (fp32 master or remainder)."""
         if not self.has_master:
@@ -320,6 +329,15 @@ class Segment:
         the end of its write-back (the work buffers serve one step at a time, on the CPU)."""
         return self.working_set - self.scratch_bytes
 
+    @property
+    def scales_bytes(self) -> int:
+        """Bytes of this segment's 8-bit scales (absmax) regions among its held bytes, in
+        whole pages as the working set counts them: what it does not hold itself when the
+        layout holds the slot's scales (:attr:`Slot.scales_bytes`)."""
+        if self.numel == 0 or self.slot.scales_bytes == 0:
+            return 0
+        return self.slot.state_count * _footprint(4 * num_blocks(self.numel))
+
 
 @dataclasses.dataclass
 class Slice:
@@ -346,6 +364,12 @@ class Slice:
         """Bytes held from the slice's reads to the end of its write-back, work buffers
         aside (:meth:`Segment.held_bytes`)."""
         return sum(seg.held_bytes for seg in self.segments)
+
+    @property
+    def scales_bytes(self) -> int:
+        """Bytes of the 8-bit scales regions among :attr:`held_bytes`
+        (:meth:`Segment.scales_bytes`)."""
+        return sum(seg.scales_bytes for seg in self.segments)
 
     @property
     def slots(self) -> list[Slot]:

@@ -14,12 +14,14 @@ the optimizer steps on the device (copied in on a side stream, and waited for by
 stream, by the engine's transfer layer) and copies the returned ones back; nothing here copies
 between host and device or waits for the device.
 
-Compact state (:mod:`~tierswap.optim.formats`): a state tensor stored in bf16 or 8 bits is
-read as its stored regions (codes and absmax for 8 bits: slices start and end at block
-boundaries), decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32
-and encoded back into the regions written. A master kept as a remainder is joined with the
-parameter into fp32 scratch, stepped, and split into the parameter (rounded half up) and the
-new remainder.
+Compact state (:mod:`~tierswap.optim.formats`): a state tensor stored in bf16 or 8 bits is read
+as its stored regions (codes and absmax for 8 bits: slices start and end at block boundaries),
+decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32 and encoded
+back into the regions written. When the layout holds the 8-bit scales in host memory
+(:attr:`~tierswap.optim.plan.Layout.held_scales`), a slice reads only its codes and views
+its scales in the held arrays (:func:`scales_job`, :func:`scales_views`). A master kept as
+a remainder is joined with the parameter into fp32 scratch, stepped, and split into the
+parameter (rounded half up) and the new remainder.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Any
 
 import torch
 
-from tierswap.config import ALIGN
-from tierswap.optim.formats import MomentFormat, join, split
+from tierswap.config import ALIGN, round_up
+from tierswap.optim.formats import MomentFormat, join, num_blocks, split
 from tierswap.optim.plan import (
     Segment,
     Slice,
@@ -42,11 +44,14 @@ from tierswap.optim.plan import (
     local_tensor,
 )
 from tierswap.pipeline import Job, Region
-from tierswap.tiers import TierName
+from tierswap.tiers import HOST, TierName
 
 __all__ = [
+    "SCALES_JOB",
     "Scratch",
     "clone_small",
+    "scales_job",
+    "scales_views",
     "slice_job",
     "slice_reads",
     "state_region",
@@ -86,11 +91,15 @@ def slice_job(
     placement: dict[int, TierName],
     *,
     scratch: bool,
+    scales_held: bool = False,
 ) -> Job:
     """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
     steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
     pipeline keeps apart (one for all slices: the job's bytes leave them out). Elsewhere the
-    step allocates its work tensors, and the job's bytes count them.
+    step allocates its work tensors, and the job's bytes count them. With ``scales_held``
+    (:attr:`~tierswap.optim.plan.Layout.held_scales`) the 8-bit scales of existing state
+    are neither read nor counted: the work views them in :func:`scales_job`'s tensors
+    (:func:`scales_views`).
 
     A slice with a trainable parameter that has no state yet (its first step) steps with
     the state torch creates instead of decoded copies: that pass takes no share of the work
@@ -102,25 +111,73 @@ def slice_job(
         for seg in piece.segments
     )
     shared = scratch and not fresh  # else its work tensors are its own
+    held = sum(seg.scales_bytes for seg in piece.segments if state_names.get(seg.slot.index))
     return Job(
         piece.index,
-        slice_reads(piece, state_names),
-        piece.held_bytes + (0 if shared else piece.scratch_bytes),
+        slice_reads(piece, state_names, scales_held=scales_held),
+        piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0),
         tier=None if fresh else placement.get(piece.index),
         scratch=piece.scratch_bytes if shared else 0,
     )
 
 
-def slice_reads(piece: Slice, state_names: dict[int, list[str]]) -> tuple[Region, ...]:
-    """The regions a slice reads: the state that exists, and each master."""
+def slice_reads(
+    piece: Slice, state_names: dict[int, list[str]], *, scales_held: bool = False
+) -> tuple[Region, ...]:
+    """The regions a slice reads: the state that exists (its 8-bit scales only when they
+    are not held: ``scales_held``), and each master."""
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
         for name in state_names.get(slot.index, []):
-            reads += state_regions(seg, name)
+            regions = state_regions(seg, name)
+            reads += regions[:1] if scales_held and slot.scales_bytes else regions
         if slot.has_master:
             reads.append(_region(slot.master_key, seg))
     return tuple(reads)
+
+
+#: The name of the pipeline job that holds the 8-bit scales (:func:`scales_job`).
+SCALES_JOB = "scales"
+
+
+def scales_job(slots: list[Slot], state_names: dict[int, list[str]]) -> Job | None:
+    """The job a layout that holds the 8-bit scales (:attr:`~tierswap.optim.plan.Layout.
+    held_scales`) keeps in host memory (:meth:`tierswap.Pipeline.hold`): the whole scales
+    array of each existing state of each slot slices cut, in whole pages as
+    :attr:`~tierswap.optim.plan.Slot.scales_bytes` counts them; ``None`` when there is none
+    (no state yet)."""
+    reads = [
+        Region(slot.state_keys(name)[1], 0, num_blocks(slot.local.numel()))
+        for slot in slots
+        if slot.scales_bytes
+        for name in state_names.get(slot.index, [])
+    ]
+    if not reads:
+        return None
+    nbytes = sum(max(round_up(4 * region.numel, ALIGN), ALIGN) for region in reads)
+    return Job(SCALES_JOB, tuple(reads), nbytes, tier=HOST)
+
+
+def scales_views(
+    piece: Slice, state_names: dict[int, list[str]], held: dict[Region, torch.Tensor]
+) -> dict[Region, torch.Tensor]:
+    """The 8-bit scales regions of ``piece``'s state as views of the ``held`` whole arrays
+    (:func:`scales_job`'s tensors, :meth:`tierswap.Pipeline.hold`): the step decodes from and
+    encodes into them in place, so they are not written back with the slice."""
+    if not held:
+        return {}
+    by_key = {region.key: tensor for region, tensor in held.items()}
+    views: dict[Region, torch.Tensor] = {}
+    for seg in piece.segments:
+        if not seg.slot.scales_bytes:
+            continue
+        for name in state_names.get(seg.slot.index, []):
+            region = state_regions(seg, name)[1]
+            whole = by_key.get(region.key)
+            if whole is not None:
+                views[region] = whole[region.start : region.stop]
+    return views
 
 
 #: Elements per block when a cut parameter steps on the CPU with a for-loop kernel (torch's

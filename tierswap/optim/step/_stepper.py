@@ -26,7 +26,13 @@ from tierswap.optim.persist import OptimizerParts, commit
 from tierswap.optim.plan import Layout, Slice, StepPlan, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group
 from tierswap.optim.step._memory import step_allocations, trim_heap
-from tierswap.optim.step._slice_work import slice_job, step_slice
+from tierswap.optim.step._slice_work import (
+    SCALES_JOB,
+    scales_job,
+    scales_views,
+    slice_job,
+    step_slice,
+)
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper"]
@@ -146,12 +152,10 @@ class Stepper:
         if self.parts.config.overlap == "forward":  # read ahead now for the next step, in its order
             if not self._read_ahead and not self.deferred.busy:
                 self._read_ahead = True
-                self.parts.backend.pipeline.prefetch([self._job(p) for p in layout.slices[::-1]])
+                self._prefetch(layout.slices[::-1])
             return
         if self.parts.config.overlap != "backward":
-            self.parts.backend.pipeline.prefetch(
-                [self._job(p) for p in layout.slices_of[slot.index]]
-            )
+            self._prefetch(layout.slices_of[slot.index])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self.parts.config.accumulation_steps:
@@ -183,15 +187,32 @@ class Stepper:
         self.parts.state.stepped.update(piece.index for piece in pieces)
 
     def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
-        """Stream ``pieces`` through the pipeline, each stepped by :meth:`work` with ``plan``."""
-        jobs = [self._job(piece) for piece in pieces]
+        """Stream ``pieces`` through the pipeline, each stepped by :meth:`work` with ``plan``
+        (and the held 8-bit scales, read here once the layout holds them)."""
+        pipeline = self.parts.backend.pipeline
         try:
-            self.parts.backend.pipeline.run(
-                jobs, lambda job, tensors: self.work(plan, job, tensors)
-            )
+            scales = self._scales_job()
+            if scales is not None:
+                pipeline.hold(scales)  # read once; each slice's work views it
+            jobs = [self._job(piece) for piece in pieces]  # with the names the scales hold
+            pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors))
         except BaseException:
             self.parts.state.failed = True  # some slices may have stepped: close() must not commit
             raise
+
+    def _prefetch(self, pieces: list[Slice]) -> None:
+        """Start the reads of ``pieces`` (the held scales' first), as far as the budget
+        allows."""
+        scales = self._scales_job()
+        jobs = [self._job(piece) for piece in pieces]
+        self.parts.backend.pipeline.prefetch(jobs if scales is None else [scales, *jobs])
+
+    def _scales_job(self) -> Job | None:
+        """The job holding the 8-bit scales when the layout holds them
+        (:attr:`~tierswap.optim.plan.Layout.held_scales`), for the state that exists."""
+        if not self.layout.held_scales:
+            return None
+        return scales_job(self.layout.slots, self.parts.state.names)
 
     def _new_plan(self) -> StepPlan:
         return self.parts.state.new_plan(
@@ -201,14 +222,21 @@ class Stepper:
         )  # fmt: skip
 
     def _job(self, piece: Slice) -> Job:
-        placement = self.layout.placement
-        return slice_job(piece, self.parts.state.names, placement, scratch=self._scratch_on_cpu)
+        return slice_job(
+            piece, self.parts.state.names, self.layout.placement, scratch=self._scratch_on_cpu,
+            scales_held=self.layout.held_scales > 0,
+        )  # fmt: skip
 
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
-        """One slice's step, as the pipeline calls it: its regions to write back."""
+        """One slice's step, as the pipeline calls it: its regions to write back (not its
+        scales when the pipeline holds them: updated in place there)."""
         created = bool(plan.fresh)
         piece = self.layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        writes = step_slice(plan, piece, tensors, self.parts.backend.pipeline.scratch(job))
+        pipeline = self.parts.backend.pipeline
+        held = pipeline.resident(SCALES_JOB) if self.layout.held_scales else None
+        views = scales_views(piece, self.parts.state.names, held or {})
+        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job))
+        writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
             trim_heap()  # the first step's state is freed after its write: free it for real
