@@ -45,17 +45,60 @@ def build_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
+#: The GPU-like model: layers of one fp32 weight each, whose forward and backward take this
+#: long off the CPU (a wait that releases the GIL, as a thread waits for a GPU's kernels).
+GPULIKE_LAYERS, GPULIKE_SHAPE = 12, (2048, 4096)
+GPULIKE_FORWARD_S, GPULIKE_BACKWARD_S = 0.040, 0.080
+
+
+class _OffCPU(torch.autograd.Function):
+    """A layer computed elsewhere: forward and backward wait (GIL released) and hand the
+    weight a fixed gradient, copied as a device-to-host copy lands."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> Any:
+        time.sleep(GPULIKE_FORWARD_S)
+        ctx.grad = grad
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, out_grad: torch.Tensor) -> Any:
+        time.sleep(GPULIKE_BACKWARD_S)
+        return out_grad, ctx.grad.clone(), None
+
+
+class OffCPULayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(GPULIKE_SHAPE) * 0.02)
+        self.register_buffer("fixed_grad", torch.randn(GPULIKE_SHAPE) * 1e-3, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _OffCPU.apply(x, self.weight, self.fixed_grad)
+
+
+def build_gpulike() -> torch.nn.Sequential:
+    """``GPULIKE_LAYERS`` layers of a 2048 x 4096 fp32 weight (100.7M params), each spending
+    its forward and backward time off the CPU, as a model computed on a GPU does."""
+    return torch.nn.Sequential(*(OffCPULayer() for _ in range(GPULIKE_LAYERS)))
+
+
 class Workload:
     """The model of ``--model`` and the loss of one iteration on its fixed batch."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         self.gpt2 = args.model == "gpt2"
-        self.model = build_gpt2() if self.gpt2 else build_model(args.width, args.depth)
+        if args.model == "gpulike":
+            self.model = build_gpulike()
+        else:
+            self.model = build_gpt2() if self.gpt2 else build_model(args.width, args.depth)
         if self.gpt2:
             gen = torch.Generator().manual_seed(1)
             vocab = self.model.config.vocab_size
             self.tokens = torch.randint(vocab, (GPT2_BATCH, GPT2_TOKENS), generator=gen)
+        elif args.model == "gpulike":
+            self.x, self.y = torch.randn(BATCH, 16), torch.randn(BATCH, 16)
         else:
             self.x, self.y = torch.randn(BATCH, args.width), torch.randn(BATCH, 1)
 
@@ -99,10 +142,11 @@ def _time_iterations(
 
 
 def _torch_loop(
-    work: Workload, opt: torch.optim.Optimizer, phases: dict[str, list[float]]
+    work: Workload, opt: torch.optim.Optimizer | None, phases: dict[str, list[float]]
 ) -> Callable:
     """One iteration, each phase timed into ``phases`` (forward includes any wait for the
-    previous step's updates; step is what ``opt.step()`` takes before it returns)."""
+    previous step's updates; step is what ``opt.step()`` takes before it returns; without an
+    optimizer, forward and backward alone)."""
 
     def iterate() -> None:
         start = time.perf_counter()
@@ -110,8 +154,11 @@ def _torch_loop(
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            work.model.zero_grad()
         end = time.perf_counter()
         phases["forward"].append(forward - start)
         phases["backward"].append(backward - forward)
@@ -125,10 +172,14 @@ def _phases() -> dict[str, list[float]]:
 
 
 def run_ram(args: argparse.Namespace) -> dict[str, Any]:
-    """torch.optim.AdamW with all state in RAM (``--options``: its keyword arguments)."""
+    """torch.optim.AdamW with all state in RAM (``--options``: its keyword arguments; with
+    ``"no_step": true``, no optimizer at all: forward and backward alone)."""
     work = Workload(args)
-    opt = torch.optim.AdamW(
-        work.model.parameters(), lr=LR, weight_decay=0, **json.loads(args.options)
+    options = json.loads(args.options)
+    opt = (
+        None
+        if options.pop("no_step", False)
+        else torch.optim.AdamW(work.model.parameters(), lr=LR, weight_decay=0, **options)
     )
     phases = _phases()
     result = _time_iterations(_torch_loop(work, opt, phases), args.iters, DISK)
@@ -240,7 +291,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--model", choices=["mlp", "gpt2"], default="mlp")
+    p.add_argument("--model", choices=["mlp", "gpt2", "gpulike"], default="mlp")
     args = p.parse_args()
     faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where
     result = RUNNERS[args.config](args)

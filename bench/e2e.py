@@ -110,7 +110,9 @@ MODE_ENV: dict[str, dict[str, str]] = {
 }
 #: In-RAM baselines: name -> torch.optim.AdamW keyword arguments. ``ram-fused`` runs when a
 #: mode uses ``fused=True``, so that each kernel has its own in-RAM figure.
-RAM: dict[str, dict[str, Any]] = {"ram": {}, "ram-fused": {"fused": True}}
+RAM: dict[str, dict[str, Any]] = {
+    "ram": {}, "ram-fused": {"fused": True}, "compute": {"no_step": True},
+}  # fmt: skip
 #: DeepSpeed configurations: name -> options of bench/_e2e_child.py's deepspeed_config.
 DEEPSPEED: dict[str, dict[str, Any]] = {
     "ds-default": {"pipelined": False},
@@ -122,12 +124,16 @@ TARGET_VS_BOUND = 1.15
 
 def _state_bytes(width: int, depth: int, model: str = "mlp") -> int:
     """AdamW's exp_avg + exp_avg_sq of the model, fp32."""
+    if model == "gpulike":
+        return 2 * 4 * GPULIKE_PARAMS
     params = GPT2_PARAMS if model == "gpt2" else depth * (width * width + width) + width + 1
     return 2 * 4 * params
 
 
 #: GPT2LMHeadModel's parameters with 64 positions (the head is tied to the embedding).
 GPT2_PARAMS = 123_702_528
+#: The GPU-like model (bench/_e2e_child.py build_gpulike): 12 weights of 2048 x 4096.
+GPULIKE_PARAMS = 12 * 2048 * 4096
 
 
 def _free_port() -> int:
@@ -227,7 +233,8 @@ def _fio_trial(folder: Path, nbytes: int) -> dict[str, float] | None:
 def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     """The configurations to run, and a note when DeepSpeed's are skipped."""
     fused = any(MODES[mode].get("fused") for mode in args.modes)
-    configs = ["ram", *(["ram-fused"] if fused else []), *args.modes]
+    compute = ["compute"] if args.model == "gpulike" else []
+    configs = [*compute, "ram", *(["ram-fused"] if fused else []), *args.modes]
     if args.no_deepspeed:
         return configs, "DeepSpeed skipped (--no-deepspeed)"
     missing = _deepspeed_missing(args.deepspeed_python)
@@ -460,9 +467,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")
     p.add_argument(
-        "--model", choices=["mlp", "gpt2"], default="mlp",
+        "--model", choices=["mlp", "gpt2", "gpulike"], default="mlp",
         help="mlp: the synthetic model above; gpt2: GPT-2 124M (transformers, random init), "
-        "batch 4 x 64 tokens",
+        "batch 4 x 64 tokens; gpulike: 12 fp32 weights of 2048 x 4096 whose forward and "
+        "backward wait 40 and 80 ms a layer off the CPU, as on a GPU (adds the 'compute' run: "
+        "forward and backward alone)",
     )  # fmt: skip
     args = p.parse_args(argv)
     striped = STRIPED.intersection(args.modes)

@@ -215,6 +215,7 @@ def overlap_backward(rank: int, swap_dir: Path) -> tuple[list[torch.Tensor], boo
     stepped_in_hooks = True
     for step in range(STEPS):
         model(batch(rank, step)).square().mean().backward()
+        opt.synchronize()  # the hooks handed the slices to the worker, which steps them
         stepped_in_hooks &= all(p.grad is None for p in model.parameters())
         opt.step()
         opt.zero_grad()

@@ -1,6 +1,8 @@
-"""Backward hooks: prefetch during backward, and overlap="backward" stepping in the hook."""
+"""Backward hooks: prefetch during backward, and overlap="backward" stepping on the worker."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from tests.optim.models import (
 )
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.step import Stepper
 
 
 def test_backward_starts_reading_the_first_slices() -> None:
@@ -49,8 +52,42 @@ def test_overlap_backward_equals_the_plain_step() -> None:
             train_step(plain_model, plain, x)
             swap.zero_grad()
             swap_model(x).square().mean().backward()
+            swap.synchronize()  # the slices stepped on the worker, during backward
             assert all(p.grad is None for p in swap_model.parameters())  # stepped and freed
             swap.step()
+        assert_same_params(plain_model, swap_model)
+        assert_same_state(plain.state_dict(), swap.state_dict())
+
+
+def test_overlap_backward_hooks_hand_slices_to_the_worker_and_return(monkeypatch) -> None:
+    """Backward never waits for a slice's reads, step or writes: the hooks queue the slices on
+    the optimizer's worker, and ``step()`` waits for them."""
+    plain_model, swap_model = make_models()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    swap = SwapOptimizer(swap_model.parameters(), lr=1e-2, overlap="backward", host_budget="8KiB")
+    gate = threading.Event()
+    step_in_backward = Stepper._step_in_backward
+
+    def held(self, layout, ready):
+        assert gate.wait(10), "backward did not return while the worker was held"
+        step_in_backward(self, layout, ready)
+
+    monkeypatch.setattr(Stepper, "_step_in_backward", held)
+    with swap:
+        try:
+            for x in batches(2):
+                train_step(plain_model, plain, x)
+                gate.clear()
+                swap.zero_grad()
+                swap_model(x).square().mean().backward()  # returns, every slice still queued
+                used = [p.grad is not None for p in plain_model.parameters()]
+                kept = [p.grad is not None for p in swap_model.parameters()]
+                assert any(used)
+                assert kept == used, "a slice stepped (and freed its gradients) in backward"
+                gate.set()
+                swap.step()
+        finally:
+            gate.set()  # a failure above must not leave the worker held
         assert_same_params(plain_model, swap_model)
         assert_same_state(plain.state_dict(), swap.state_dict())
 

@@ -1,4 +1,5 @@
-"""The step that runs into the next forward pass (``overlap="forward"``).
+"""The optimizer's worker thread: the step that runs into the next forward pass
+(``overlap="forward"``), and the slices that step during backward (``overlap="backward"``).
 
 ``step()`` sees what only it can see (clipped gradients, a ``GradScaler``'s verdict, the LR
 scheduler's values), hands the slices to a worker thread, and returns. The worker streams the
@@ -6,12 +7,16 @@ slices in *forward* order while the next forward pass runs; a forward pre-hook o
 waits only until that module's own parameters are updated. Anything that reads parameters or
 state in between (``state_dict()``, ``snapshot()``, ``commit()``, ``synchronize()``, the next
 ``step()``, ``close()``) waits for the whole step first. An iteration then costs about
-max(compute, disk) instead of their sum.
+max(compute, disk) instead of their sum. With ``overlap="backward"`` each gradient hook queues
+the slices its gradient makes ready (:meth:`DeferredSteps.queue`) and returns, so autograd goes
+on (on a GPU the thread that launches the backward kernels never waits for the disk or the
+step); ``step()`` waits for them.
 
 Concurrency: :class:`DeferredSteps` runs one step at a time on its own thread; ``start``,
-``wait`` and ``close`` are called from the training thread, ``done`` from the worker, and
-``wait_for`` from any thread running a forward pass. One condition variable guards the
-pending counts; a failed step is raised once, by the next ``wait`` (or ``wait_for``).
+``wait`` and ``close`` are called from the training thread, ``queue`` from the gradient hooks,
+``done`` from the worker, and ``wait_for`` from any thread running a forward pass. One
+condition variable guards the pending counts and the queue; a failed step is raised once, by
+the next ``wait`` (or ``wait_for``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class DeferredSteps:
         self._cv = threading.Condition()
         self._pending: dict[int, int] = {}  # id(param) -> slices of this step still to run
         self._future: Future[None] | None = None
+        self._queued: list[Future[None]] = []  # slices handed over by backward hooks
         self._failed = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierswap-step")
         self._hook: Any = None
@@ -50,6 +56,14 @@ class DeferredSteps:
         """A step is scheduled or running."""
         future = self._future
         return future is not None and not future.done()
+
+    def queue(self, run: Callable[[], None]) -> None:
+        """Run ``run`` on the worker after what was queued before it, and return at once (a
+        backward hook's slices: autograd goes on while they step). :meth:`wait` waits for it
+        and raises its failure once."""
+        future = self._pool.submit(run)
+        with self._cv:
+            self._queued.append(future)
 
     def start(self, counts: Mapping[int, int], run: Callable[[], None]) -> None:
         """Run ``run`` on the worker; ``counts`` says how many slices hold each parameter
@@ -95,10 +109,15 @@ class DeferredSteps:
             self.wait()  # raises the step's failure
 
     def wait(self) -> None:
-        """Block until the step in flight (if any) has finished; raise its failure once."""
+        """Block until the step in flight and the queued slices (if any) have finished; raise
+        the first failure once."""
+        with self._cv:
+            queued, self._queued = self._queued, []
         future, self._future = self._future, None
-        if future is not None:
-            future.result()
+        errors = [f.exception() for f in [*queued, *([future] if future else [])]]
+        first = next((error for error in errors if error is not None), None)
+        if first is not None:
+            raise first
 
     def hook_modules(self) -> None:
         """Install the global forward pre-hook that waits for each module's own parameters

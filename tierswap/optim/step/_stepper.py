@@ -57,6 +57,7 @@ class Stepper:
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
+        self._queued: set[int] = set()  # overlap="backward": slices handed to the worker
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
 
     @property
@@ -86,6 +87,7 @@ class Stepper:
             plan, self.parts.state.plan = self.parts.state.plan, None
             self.parts.state.stepped.clear()
             self._final.clear()
+            self._queued.clear()
         self.parts.state.steps += 1
         self._end_step(plan, due)
 
@@ -141,9 +143,9 @@ class Stepper:
         """``param``'s gradient is final (its post-accumulate-grad hook).
 
         Starts the reads of its slices (as far as the budget allows), or, with
-        ``overlap="backward"``, steps each of its slices whose parameters' gradients are all
-        final (every ``accumulation_steps`` backward passes) and frees the gradients of the
-        parameters whose slices have all stepped.
+        ``overlap="backward"``, hands the worker each of its slices whose parameters' gradients
+        are all final (every ``accumulation_steps`` backward passes) and returns: backward goes
+        on while they step (:meth:`_step_in_backward`).
         """
         layout = self.layout
         slot = layout.slot_of.get(id(param))
@@ -163,15 +165,22 @@ class Stepper:
         self._final.add(slot.index)
         ready = [p for p in layout.slices_of[slot.index] if self._ready_in_backward(p)]
         if ready:
-            with torch.no_grad(), step_allocations():
-                self._step_slices(ready)
+            self._queued.update(piece.index for piece in ready)
+            self.deferred.queue(lambda: self._step_in_backward(layout, ready))
+
+    def _step_in_backward(self, layout: Layout, ready: list[Slice]) -> None:
+        """On the worker, during backward: step ``ready``, then free the gradients of the
+        parameters whose slices have all stepped."""
+        with torch.no_grad(), step_allocations():
+            self._step_slices(ready)
         for index in {seg.slot.index for piece in ready for seg in piece.segments}:
             if all(p.index in self.parts.state.stepped for p in layout.slices_of[index]):
                 layout.slots[index].param.grad = None
 
     def _ready_in_backward(self, piece: Slice) -> bool:
-        """Not yet stepped, and every parameter that will get a gradient has its final one."""
-        return piece.index not in self.parts.state.stepped and all(
+        """Not yet handed to the worker, and every parameter that will get a gradient has its
+        final one."""
+        return piece.index not in self._queued and all(
             seg.slot.index in self._final or not seg.slot.param.requires_grad
             for seg in piece.segments
         )
