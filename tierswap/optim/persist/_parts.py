@@ -29,9 +29,10 @@ class OptimizerParts:
     another chunking); ``inners`` and ``groups`` are the optimizer's own lists, which it
     extends when a param group is added; the other parts are set once.
 
-    Not locked: the training thread uses the parts, and so does the worker of a step that runs
-    into the next forward (``overlap="forward"``), while everything else that touches them
-    waits for that step first (:meth:`~tierswap.optim.step.DeferredSteps.wait`).
+    Not locked: the training thread uses the parts, and so does the optimizer's worker (the
+    step that runs into the next forward with ``overlap="forward"``, the slices handed over in
+    backward with ``overlap="backward"``), while everything else that touches them waits for
+    the worker first (:meth:`~tierswap.optim.step.DeferredSteps.wait`).
     """
 
     #: The settings the optimizer was built with.
