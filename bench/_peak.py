@@ -13,14 +13,27 @@ import resource
 import sys
 
 
-def peak_rss() -> int:
-    """Bytes: the highest resident set size of this process so far."""
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or ``None`` without ``/proc``."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def current_rss() -> int:
+    """Bytes: this process's resident set size now (0 where ``/proc`` is missing)."""
+    return _status_bytes("VmRSS") or 0
+
+
+def peak_rss() -> int:
+    """Bytes: the highest resident set size of this process so far."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

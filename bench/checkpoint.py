@@ -29,18 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _peak import current_rss  # noqa: E402
+
 from tierswap import SwapOptimizer  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 12  # AdamW on fp32 params: the param copy, exp_avg, exp_avg_sq
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _written() -> int:
@@ -53,11 +47,11 @@ def _written() -> int:
 
 def _measure(save: Callable[[], object]) -> dict[str, float]:
     """Seconds, bytes written and peak RSS above the start while ``save()`` runs."""
-    base, peak, done = _rss(), [0], threading.Event()
+    base, peak, done = current_rss(), [0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], current_rss())
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -70,7 +64,7 @@ def _measure(save: Callable[[], object]) -> dict[str, float]:
     return {
         "seconds": seconds,
         "bytes_written": _written() - written,
-        "peak_rss_above_start": max(peak[0], _rss()) - base,
+        "peak_rss_above_start": max(peak[0], current_rss()) - base,
     }
 
 

@@ -34,17 +34,17 @@ MIB = 1 << 20
 def child(folder: Path, steps: int) -> dict[str, float]:
     """One run, in this process: baseline, peak and the bound, in bytes."""
     import torch
-    from _peak import peak_rss
+    from _peak import current_rss, peak_rss
 
     import tierswap as ts
 
-    imported = _rss()
+    imported = current_rss()
     # torch imports its compiler stack (torch._dynamo, ~75 MiB here) the first time any
     # optimizer steps; the baseline includes it, as every torch training process pays it
     tiny = torch.zeros(1, requires_grad=True)
     tiny.grad = torch.zeros(1)
     torch.optim.AdamW([tiny], fused=True).step()
-    baseline = _rss()
+    baseline = current_rss()
     torch.manual_seed(0)
     # filled in place: a temporary per tensor (``randn(n) * 1e-3``) would leave up to ~350 MiB
     # of freed 16 MiB blocks in glibc's heap (its mmap threshold rises to the largest block
@@ -65,14 +65,6 @@ def child(folder: Path, steps: int) -> dict[str, float]:
         "imported": imported, "baseline": baseline, "peak": peak_rss(),
         "bound": baseline + 1.1 * (model + BUDGET),
     }  # fmt: skip
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:
