@@ -268,7 +268,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @property
     def _deferred(self) -> DeferredSteps:
-        """The worker of ``overlap="forward"`` (the stepper's)."""
+        """The stepper's worker (``overlap="forward"`` and ``"backward"``)."""
         return self._stepper.deferred
 
     def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:

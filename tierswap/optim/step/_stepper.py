@@ -43,14 +43,15 @@ class Stepper:
     OptimizerParts`: the store, the layout, the step bookkeeping, the commit clock, the torch
     optimizer of each group and the param groups), which the optimizer owns.
 
-    It owns the worker of deferred steps (:attr:`deferred`, ``overlap="forward"``) and what a
-    step under way knows of the gradient hooks. Called from the training thread (``step()`` and
-    the hooks), and from the deferred worker for the step it runs.
+    It owns the optimizer's worker (:attr:`deferred`, for ``overlap="forward"`` and
+    ``"backward"``) and what a step under way knows of the gradient hooks. Called from the
+    training thread (``step()`` and the hooks), and from the worker for the slices it runs.
     """
 
     def __init__(self, parts: OptimizerParts) -> None:
         self.parts = parts
-        #: The worker of ``overlap="forward"``: the step that runs into the next forward.
+        #: The worker: the step that runs into the next forward (``overlap="forward"``), the
+        #: slices that step during backward (``overlap="backward"``).
         self.deferred = DeferredSteps()
         if parts.config.overlap == "forward":
             self.deferred.hook_modules()
