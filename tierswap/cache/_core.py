@@ -357,21 +357,17 @@ class CacheCore:
             self.discard(entry)
         self.write_backs[key] = WriteBack(Entry(key, meta, HOST, tensor), through=True)
 
-    def end_write_through(
-        self, key: str, meta: Meta, *, ok: bool, stored: Meta | None = None
-    ) -> None:
+    def end_write_through(self, key: str, *, ok: bool, stored: Meta | None = None) -> None:
         """The write-through of ``key`` ended; after a failure the key's metadata is that of its
         set-aside entry, or ``stored`` (what the store holds: ``None`` when it lacks the key)."""
         wb = self.write_backs.pop(key)
         if not wb.through:  # the replaced dirty entry: freed once written, back on failure
             self.tiers[wb.entry.tier].end_write(wb, failed=not ok, earmark=False)
-        if ok:  # the key's metadata is that of the value written
-            pass
-        elif not wb.through:
+        if not ok and not wb.through:
             self.meta[key] = wb.entry.meta
-        elif stored is not None:  # the store still holds the old value
+        elif not ok and stored is not None:  # the store still holds the old value
             self.meta[key] = stored
-        else:
+        elif not ok:
             self.meta.pop(key, None)
         self.gate.wake()
 

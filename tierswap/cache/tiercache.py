@@ -180,9 +180,9 @@ class TierCache:
                 self._read_ahead(target)
         self._gate.drain()
         if target == NVME:
-            self._write_through(key, tensor, meta)
+            self._write_through(key, tensor)
 
-    def _write_through(self, key: str, tensor: torch.Tensor, meta: Meta) -> None:
+    def _write_through(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``tensor`` to the store (lock not held); on failure the key keeps its value.
 
         After a failure the shape of the value the store still holds is looked up again (here,
@@ -195,7 +195,7 @@ class TierCache:
         finally:
             stored = None if ok else self._core.stored_meta(key)
             with self._cv:
-                self._core.end_write_through(key, meta, ok=ok, stored=stored)
+                self._core.end_write_through(key, ok=ok, stored=stored)
 
     def prefetch(self, keys: Iterable[str], tier: TierArg = HOST) -> None:
         """Start reading ``keys`` into ``tier`` in the background, in order; returns at once.
