@@ -23,6 +23,7 @@ __all__ = [
     "OutOfSpaceError",
     "PinnedError",
     "ReadOnlyError",
+    "SavepointError",
     "RegionError",
     "SnapshotExistsError",
     "StoreClosedError",
@@ -118,3 +119,8 @@ class FailedStepError(TierswapError, RuntimeError):
 class NoCommitError(TierswapError, RuntimeError):
     """A snapshot was asked of a store whose committed state is not on disk: it was never
     committed, or it is a scratch store with changes made since its last commit."""
+
+
+class SavepointError(TierswapError, RuntimeError):
+    """A store rollback that cannot return to the savepoint: none is set, or the key was put,
+    created or deleted since (only region writes keep the versions they replace)."""

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from tierswap.errors import CorruptionError, KeyNotFoundError
+from tierswap.errors import CorruptionError, KeyNotFoundError, SavepointError
 from tierswap.keys import KeyHierarchy
 from tierswap.store._chunks import ChunkRef
 from tierswap.store._layout import ArrayMeta, locate, qualify
@@ -41,6 +41,9 @@ class Entry:
     readers: int = 0
     retired: bool = False  # superseded; delete staged files when the last reader is done
     garbage: list[Path] = dataclasses.field(default_factory=list)  # replaced staged chunk files
+    #: Chunks rewritten since the store's savepoint -> their file, CRC and whether that file
+    #: was staged, at the savepoint (:meth:`StoreIndex.rollback` returns them there).
+    saved: dict[int, tuple[Path, int, bool]] = dataclasses.field(default_factory=dict)
 
     def ref(self, index: int) -> ChunkRef:
         """Chunk ``index``: its file, checksum and folder (read with the gate lock held)."""
@@ -56,8 +59,14 @@ class Entry:
         doomed, self.garbage = self.garbage, []
         if self.retired:
             doomed += [self.files[i] for i in sorted(self.staged)]
-            self.staged = set()
+            doomed += [path for path, _crc, staged in self.saved.values() if staged]
+            self.staged, self.saved = set(), {}
         return doomed
+
+    def forget_saved(self) -> None:
+        """The savepoint ends: its staged versions become garbage."""
+        self.garbage += [path for path, _crc, staged in self.saved.values() if staged]
+        self.saved = {}
 
 
 class StoreIndex:
@@ -75,6 +84,8 @@ class StoreIndex:
         self._chunk_writes: set[Chunk] = set()  # chunks a region write is replacing
         self._chunk_reads: Counter[Chunk] = Counter()  # chunks region reads use
         self._region_writes: Counter[str] = Counter()  # region writes in flight per key
+        self.saving = False  # a savepoint is set: region writes keep the versions they replace
+        self._replaced: set[str] = set()  # keys put or deleted since the savepoint
 
     # ------------------------------------------------------------------ loading, queries
     def load(
@@ -180,6 +191,8 @@ class StoreIndex:
     def install(self, meta: ArrayMeta, paths: list[Path], *, staged: bool) -> Entry | None:
         """Make ``paths`` the current version of ``meta.key``; returns the superseded entry."""
         old = self._entries.get(meta.key)
+        if self.saving:
+            self._replaced.add(meta.key)
         chunks = set(range(len(paths))) if staged else set()
         self._entries[meta.key] = Entry(meta, paths, staged=chunks, dirty=True)
         if old is None and self._damaged.pop(meta.key, None) is None:
@@ -193,14 +206,59 @@ class StoreIndex:
         ``staged`` the new files replace the entry's (else they were written in place)."""
         crcs = list(entry.meta.crcs)
         for i, new, crc in written:
-            crcs[i] = crc
             if staged:
-                if i in entry.staged:
+                if self.saving and i not in entry.saved:
+                    entry.saved[i] = (entry.files[i], crcs[i], i in entry.staged)
+                elif i in entry.staged:
                     entry.garbage.append(entry.files[i])
                 entry.files[i] = new
                 entry.staged.add(i)
+            crcs[i] = crc
         entry.meta = dataclasses.replace(entry.meta, crcs=tuple(crcs))
         entry.dirty = True
+
+    # ------------------------------------------------------------------ savepoint
+    def check_savepoint(self, key: str) -> None:
+        """Raise unless ``key`` can return to the savepoint."""
+        if not self.saving:
+            raise SavepointError(f"no savepoint is set in store {str(self.root)!r}")
+        if key in self._replaced:
+            raise SavepointError(
+                f"key {key!r} was put or deleted since the savepoint: only region writes "
+                "can be rolled back"
+            )
+
+    def rollback(self, key: str, chunks: Iterable[int]) -> list[Path]:
+        """Return ``chunks`` of ``key`` to their versions at the savepoint (those not rewritten
+        since are already there); returns the files no read uses any more."""
+        self.check_savepoint(key)
+        entry = self.lookup(key)
+        crcs = list(entry.meta.crcs)
+        for i in chunks:
+            saved = entry.saved.pop(i, None)
+            if saved is None:
+                continue
+            path, crcs[i], was_staged = saved
+            if i in entry.staged:
+                entry.garbage.append(entry.files[i])
+            entry.files[i] = path
+            if was_staged:
+                entry.staged.add(i)
+            else:
+                entry.staged.discard(i)
+        entry.meta = dataclasses.replace(entry.meta, crcs=tuple(crcs))
+        return entry.unused_files()
+
+    def release_savepoint(self) -> list[Path]:
+        """Forget the savepoint's versions; returns the files no read uses any more."""
+        self.saving = False
+        self._replaced.clear()
+        doomed: list[Path] = []
+        for entry in self._entries.values():
+            if entry.saved:
+                entry.forget_saved()
+                doomed += entry.unused_files()
+        return doomed
 
     def damage(self, key: str, why: str) -> Entry | None:
         """Report ``key`` as damaged; returns its entry (to retire)."""
@@ -213,6 +271,8 @@ class StoreIndex:
         """Remove ``key``; returns its entry (to retire), ``None`` for a damaged key."""
         entry = self._entries.pop(key, None)
         damaged = self._damaged.pop(key, None)
+        if self.saving:
+            self._replaced.add(key)
         if entry is None and damaged is None:
             raise KeyNotFoundError(f"key {key!r} is not in store {str(self.root)!r}")
         self._names.remove(key)

@@ -56,7 +56,7 @@ from tierswap.store._members import store_paths
 from tierswap.store._placement import Placement, folder_weights
 from tierswap.store._puts import WholeWrites
 from tierswap.store._recycle import SPARE, SparePool
-from tierswap.store._regions import RegionIO
+from tierswap.store._regions import RegionIO, check_region
 from tierswap.store._snapshot import Progress, SnapshotResult, take_snapshot
 from tierswap.store._staging import ChunkTargets
 from tierswap.store._tensors import as_cpu_contiguous, flat_bytes, prepare_out, spare_bytes
@@ -357,6 +357,47 @@ class SwapStore:
         validate_key(key)
         return self._regions.write(key, start, tensor)
 
+    # ================================================================== savepoint
+    def savepoint(self) -> None:
+        """Keep every chunk's current version, so that :meth:`rollback` can return regions
+        to it, until :meth:`release_savepoint` or the next :meth:`commit` (which ends it).
+        A durable store only: a scratch store writes in place and keeps no versions.
+
+        The kept versions are files the store would otherwise recycle: while a savepoint is
+        set, each chunk rewritten since takes one more chunk file on disk. Setting a
+        savepoint again first releases the previous one."""
+        self._check_writable()
+        if not self.durable:
+            raise ConfigError("a scratch store (durable=False) writes in place: no savepoint")
+        with self._gate.exclusive():
+            self._check_writable()
+            doomed = self._index.release_savepoint()
+            self._index.saving = True
+        self._targets.discard(doomed)
+
+    def rollback(self, key: str, start: int = 0, stop: int | None = None) -> None:
+        """Return the chunks holding elements ``[start, stop)`` of ``key`` (its end when
+        ``stop`` is ``None``) to their versions at the savepoint: whole chunks, so elements
+        of those chunks outside the region go back too. Waits for the operations in flight.
+        Raises :class:`~tierswap.errors.SavepointError` when no savepoint is set or ``key``
+        was put or deleted since."""
+        self._check_writable()
+        validate_key(key)
+        with self._gate.exclusive():
+            self._check_writable()
+            self._index.check_savepoint(key)
+            entry = self._index.lookup(key)
+            span = check_region(entry.meta, start, entry.meta.numel if stop is None else stop)
+            doomed = self._index.rollback(key, span)
+        self._targets.discard(doomed)
+
+    def release_savepoint(self) -> None:
+        """Forget the savepoint's versions (their files become spares); a no-op without one."""
+        self._check_writable()
+        with self._gate.exclusive():
+            doomed = self._index.release_savepoint()
+        self._targets.discard(doomed)
+
     # ================================================================== queries
     def keys(self) -> list[str]:
         """Every key currently visible (committed or not), sorted."""
@@ -416,6 +457,7 @@ class SwapStore:
     def _commit_alone(self, meta: dict[str, Any]) -> int:
         """The commit itself; the caller holds the gate exclusively."""
         generation = self.generation + 1
+        self._targets.discard(self._index.release_savepoint())  # the commit ends it
         self._commits.commit(self._index, generation, meta)
         self.generation, self.meta = generation, meta
         return generation
