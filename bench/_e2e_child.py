@@ -88,6 +88,7 @@ class Workload:
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
+        self.clip: float | None = getattr(args, "clip", None)
         self.gpt2 = args.model == "gpt2"
         if args.model == "gpulike":
             self.model = build_gpulike()
@@ -155,6 +156,8 @@ def _torch_loop(
         loss.backward()
         backward = time.perf_counter()
         if opt is not None:
+            if work.clip is not None:  # part of the step phase
+                torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
             opt.step()
             opt.zero_grad()
         else:
@@ -292,6 +295,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--model", choices=["mlp", "gpt2", "gpulike"], default="mlp")
+    p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ before each step")
     args = p.parse_args()
     faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where
     result = RUNNERS[args.config](args)

@@ -77,6 +77,8 @@ CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 #: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
 MODES: dict[str, dict[str, Any]] = {
     "default": {},
+    # speculation in backward, checked by step(), the rest into the next forward
+    "auto": {"overlap": "auto"},
     "every1": {"commit_every": 1},
     "backward": {"overlap": "backward"},
     "nocommit": {"commit_every": 0},
@@ -170,6 +172,8 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     env = dict(os.environ)
     common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
     common += ["--width", str(args.width), "--depth", str(args.depth), "--model", args.model]
+    if args.clip is not None:
+        common += ["--clip", str(args.clip)]
     if config in RAM:
         options = ["--options", json.dumps(RAM[config])]
         return [sys.executable, str(CHILD), "--config", "ram", *options, *common], env
@@ -292,10 +296,17 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict[str
             "disk_per_iter": _per_iteration(ok, "disk", args),
             "swap_bytes_per_iter": _per_iteration(ok, "swap_bytes", args),
             "phases": _phase_medians(ok, args),
+            "schedule": _schedules(ok),
             "failed_rounds": len(results) - len(ok),
             "nonzero_exits": sum(1 for r in ok if r.get("exit_code")),
         }
     return summary
+
+
+def _schedules(results: list[dict]) -> list[dict] | None:
+    """What tierswap's schedule did in each round (``tier_stats()["schedule"]``)."""
+    found = [r["tier_stats"]["schedule"] for r in results if "schedule" in r.get("tier_stats", {})]
+    return found or None
 
 
 def _phase_medians(results: list[dict], args: argparse.Namespace) -> dict[str, float] | None:
@@ -365,6 +376,13 @@ def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
             ph = row["phases"]
             print(f"  forward {ph['forward']:.3f} s, backward {ph['backward']:.3f} s, "
                   f"step {ph['step']:.3f} s")  # fmt: skip
+        for sched in row.get("schedule") or []:
+            if sched.get("overlap") == "auto":
+                print(
+                    f"  schedule: {sched['mode']}; slices stepped in backward "
+                    f"{sched['speculated']}, redone {sched['redone']}, after backward "
+                    f"{sched['after_backward']}, paused steps {sched['paused_steps']}"
+                )
         if row["failed_rounds"] or row["nonzero_exits"]:
             print(f"  ({row['failed_rounds']} round(s) failed, {row['nonzero_exits']} exited "
                   "non-zero after printing a result; see the JSON)")  # fmt: skip
@@ -463,6 +481,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--throttle", type=rates, default=None, metavar="READ,WRITE",
         help="cap the swap folder's disk at READ and WRITE bytes/s for every configuration "
         "and the fio trial (e.g. 500MB,500MB; cgroup v1 blkio, needs root; bench/_throttle.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--clip", type=float, default=None, metavar="MAX_NORM",
+        help="torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) before every step "
+        "(every configuration; the gpulike model's gradient norm is about 10)",
     )  # fmt: skip
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")

@@ -14,7 +14,7 @@ from tierswap.optim.formats import MasterFormat, StatePrecision, check_master, c
 
 __all__ = ["SwapConfig"]
 
-_OVERLAPS = (None, "backward", "forward")
+_OVERLAPS = ("auto", None, "backward", "forward")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,9 @@ class SwapConfig:
                 "time) or an int >= 0 (every N steps; 0: only on commit() and close())"
             )
         if self.overlap not in _OVERLAPS:
-            raise ConfigError(f"overlap={self.overlap!r} must be None, 'backward' or 'forward'")
+            raise ConfigError(
+                f"overlap={self.overlap!r} must be 'auto', None, 'backward' or 'forward'"
+            )
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
         check_precision(self.state_precision)

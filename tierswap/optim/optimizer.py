@@ -103,11 +103,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         to resume from: ``swap_dir`` is replaced by hard links to it (a copy across
         filesystems), then the run resumes as with ``resume=True``. The snapshot is not changed.
     overlap:
-        ``"backward"`` steps each slice in a post-accumulate-grad hook as soon as the gradients
-        of all its parameters are final (every ``accumulation_steps`` backward passes). It
-        cannot honour global gradient clipping or ``GradScaler``: the step happens before they
-        could run. The default (``None``) starts the slices' reads in those hooks and steps in
-        :meth:`step`.
+        When the step runs. ``None`` (default): the slices' reads start in backward,
+        :meth:`step` steps them all. ``"auto"`` (opt-in): each slice steps on the optimizer's
+        worker during backward, as soon as the gradients of its parameters are final, without
+        blocking autograd; :meth:`step` checks those steps against the gradients and
+        hyper-parameters it sees (after clipping, unscaling, edits) and returns; the worker
+        redoes the ones that differ from their pre-step state, and the slices left step
+        while the next forward runs, each module waiting only for its own parameters (read
+        parameters otherwise after :meth:`synchronize`). Bitwise equal to the plain
+        optimizer; where redoing recurs (clipping that triggers every step, ``GradScaler``)
+        it stops speculating for a while (``tier_stats()["schedule"]``). Speculation needs
+        a durable store and fp32 or bf16 state (with ``"8bit"`` it steps after backward).
+        ``"forward"``: step after backward, in forward order, while the next forward runs.
+        ``"backward"``: each slice steps on the hooks' worker and nothing checks it: no
+        global clipping, no ``GradScaler``. ``docs/optimizer.md`` says what each costs.
     accumulation_steps:
         Backward passes per optimizer step (gradient accumulation), for ``overlap="backward"``:
         a parameter's gradient is final at every ``accumulation_steps``-th backward pass.
@@ -323,7 +332,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not self._ready:  # torch's constructor: the groups become slots in _setup
             super().add_param_group(param_group)
             return
-        self._deferred.wait()
+        self._settle()
         if self._config.resume and self._state.steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
         super().add_param_group(param_group)
@@ -347,15 +356,19 @@ class SwapOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step every parameter that has a gradient, slice by slice; commit when due.
 
-        With ``overlap="forward"`` the slices are handed to a worker and this returns at once;
-        they step, in forward order, while the next forward pass runs.
+        With ``overlap="auto"`` and ``"forward"`` the slices left are handed to a worker and
+        this returns at once; they step, in forward order, while the next forward pass runs.
         """
-        self._deferred.wait()
+        self._stepper.end_speculation()
         self._adopt_direct_state()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            self._stepper.end_speculation()  # the slices its backward handed over
+        if self._config.overlap == "auto":
+            self._stepper.step_auto()
+            return loss
         if self._config.overlap == "forward":
             self._stepper.schedule()
             return loss
@@ -373,20 +386,27 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Wait until the last step is done, its writes included (the step returns while its
         last slices are still being written, or, with ``overlap="forward"``, before they
         step); raise a failure of it."""
-        self._deferred.wait()
+        self._settle()
         persist.drain_writes(self._parts)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's. A step still running keeps the gradients it was given: ``None`` here
-        only drops the parameters' references; zeroing in place waits for the step first."""
+        only drops the parameters' references; zeroing in place waits for the step first.
+        Slices stepped speculatively in backward for a step that was not taken (a
+        ``GradScaler`` skipped it) are rolled back first."""
         if not set_to_none:
-            self._deferred.wait()
+            self._settle()
+        self._stepper.gradients_dropped()
         super().zero_grad(set_to_none)
+
+    def _settle(self) -> None:
+        """Wait for the worker; roll back slices speculated for a step not taken."""
+        self._stepper.abandon()
 
     # -- persistence and state dicts ------------------------------------------------------
     def commit(self) -> int:
         """Make the current masters, state and step count the folder's atomic restart point."""
-        self._deferred.wait()
+        self._settle()
         return persist.commit(self._parts)
 
     def _adopt_direct_state(self) -> None:
@@ -400,7 +420,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         After :meth:`redirect_state_dict`, the next call instead takes a snapshot and returns
         the small reference dict of :meth:`snapshot_state_dict`.
         """
-        self._deferred.wait()
+        self._settle()
         dest = self._requests.take_dest()
         if dest is not None:
             return self.snapshot_state_dict(dest)
@@ -410,7 +430,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in torch's format (from this class or the plain optimizer), or a
         snapshot reference from :meth:`snapshot_state_dict`."""
-        self._deferred.wait()
+        self._settle()
         hint = self._requests.take_hint()
         if persist.is_reference(state_dict):
             self.load_snapshot(persist.resolve_reference(state_dict, hint))
@@ -425,7 +445,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Keep the current state as a standalone store in the new or empty ``dest``: hard
         links to the swap folder's files (no data copied), a copy across filesystems. Commits
         first unless the last commit already holds this state (``commit_every`` did it)."""
-        self._deferred.wait()
+        self._settle()
         return persist.snapshot(self._parts, dest, progress=progress)
 
     def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
@@ -446,7 +466,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Replace the swap folder by the snapshot at ``path`` and resume from it."""
-        self._deferred.wait()
+        self._settle()
         source = persist.snapshot_source(path)
         self._backend.reopen_from(source, self._layout.chunk_bytes)
         meta = self._backend.committed_meta()
@@ -486,8 +506,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         """What each tier really holds and serves: ``{"device"|"host": {used, budget, hits,
         misses, bytes_in, bytes_out}, "nvme": {bytes_read, bytes_written, ...},
         "stall_seconds"}``. A hit is a slice stepped where it stayed resident (device or host
-        tier), a miss a slice read from disk."""
-        return self._backend.stats()
+        tier), a miss a slice read from disk. ``"schedule"``: what the step's schedule did
+        (``overlap="auto"``: whether it speculates, and the slices stepped in backward, redone
+        and stepped after backward; :class:`~tierswap.optim.step.Speculation`)."""
+        stats = self._backend.stats()
+        stats["schedule"] = {
+            "overlap": self._config.overlap,
+            **self._stepper.speculation.stats(self._state.steps),
+        }
+        return stats
 
     def close(self) -> None:
         """Commit the steps taken since the last commit, then release hooks, pipeline and store.
@@ -501,9 +528,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._hook_handles = []
         failure: BaseException | None = None
         try:
-            self._deferred.close()  # a step still running finishes first
-        except BaseException as exc:  # it failed: no final commit (it warns), then raise it
+            self._settle()  # a step still running finishes first; one not taken rolls back
+        except BaseException as exc:
             failure = exc
+        try:
+            self._deferred.close()
+        except BaseException as exc:  # it failed: no final commit (it warns), then raise it
+            failure = failure or exc
         try:
             persist.final_commit(self._parts)
         finally:  # the lock and the store are released even when the commit fails

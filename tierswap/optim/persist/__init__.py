@@ -22,9 +22,9 @@ The helpers take one :class:`OptimizerParts`, which the optimizer builds once.
 
 from __future__ import annotations
 
-from tierswap.optim.persist._arrays import create_arrays
+from tierswap.optim.persist._arrays import create_arrays, restore_params
 from tierswap.optim.persist._backend import StateBackend
-from tierswap.optim.persist._bookkeeping import StepState
+from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters
 from tierswap.optim.persist._commit import commit, drain_writes, final_commit
 from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
 from tierswap.optim.persist._parts import OptimizerParts
@@ -44,6 +44,8 @@ from tierswap.optim.persist._swapped_state import SwappedState, adopt_direct_sta
 from tierswap.optim.persist._torch_format import load_state_dict, state_dict
 
 __all__ = [
+    "hyper_parameters",
+    "restore_params",
     "AUTO_SHARE",
     "CommitClock",
     "OptimizerParts",

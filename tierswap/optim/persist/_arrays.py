@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from tierswap.optim.persist._parts import OptimizerParts
-from tierswap.optim.plan import Slot, flat, master_dtype
+from tierswap.optim.plan import Segment, Slot, flat, master_dtype
 from tierswap.pipeline import Region
 
 __all__ = ["base_arrays", "create_arrays", "master_of", "write_params"]
@@ -59,3 +61,16 @@ def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> 
             if slot.persists_param:
                 writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
         parts.backend.put_regions(writes)
+
+
+def restore_params(parts: OptimizerParts, segments: Iterable[Segment]) -> None:
+    """Put back the pre-step value of each segment of a parameter after a rollback
+    (:meth:`~tierswap.optim.persist.StateBackend.roll_back`): from the copy a speculative
+    step wrote under its :attr:`~tierswap.optim.plan.Slot.param_key` (a parameter the store
+    keeps), else from its rolled-back master."""
+    for seg in segments:
+        slot = seg.slot
+        key = slot.param_key if slot.persists_param else slot.master_key
+        value = parts.backend.read_region(Region(key, seg.start, seg.stop))
+        with torch.no_grad():
+            flat(slot.param)[seg.start : seg.stop].copy_(value)

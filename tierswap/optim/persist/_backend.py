@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +170,28 @@ class StateBackend:
 
     def put_regions(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write regions, all in flight at once; the tensors must not change until this returns."""
-        write_regions(self.store, writes).result()
+        self.put_regions_async(writes).result()
+
+    def put_regions_async(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
+        """Start writing regions; the tensors must not change until the future is done."""
+        return write_regions(self.store, writes)
+
+    # -- speculation: a savepoint of the store -------------------------------------------
+    def savepoint(self) -> None:
+        """Keep the stored state as it is once the writes in flight reach the store, so that
+        :meth:`roll_back` can return regions to it (:meth:`tierswap.SwapStore.savepoint`)."""
+        self.pipeline.drain()
+        self.store.savepoint()
+
+    def roll_back(self, regions: Iterable[Region]) -> None:
+        """Return ``regions`` (whole chunks) to the savepoint, after the writes in flight."""
+        self.pipeline.drain()
+        for region in regions:
+            self.store.rollback(region.key, region.start, region.stop)
+
+    def release_savepoint(self) -> None:
+        """Forget the savepoint (its versions become spare files)."""
+        self.store.release_savepoint()
 
     def read(self, key: str) -> torch.Tensor:
         """A CPU copy of ``key``'s stored value (call ``pipeline.flush()`` first)."""

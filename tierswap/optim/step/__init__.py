@@ -8,7 +8,10 @@ allocator's settings while a step runs.
 
 - ``_stepper``: :class:`Stepper`;
 - ``_slice_work``: one slice's work, as the pipeline calls it;
-- ``_deferred``: the worker of ``overlap="forward"`` (:class:`DeferredSteps`);
+- ``_deferred``: the worker of ``overlap="forward"``, ``"auto"`` and ``"backward"``
+  (:class:`DeferredSteps`);
+- ``_speculation``: what ``overlap="auto"`` checks of the slices it stepped in backward
+  (:class:`~tierswap.optim.step._speculation.Speculation`);
 - ``_hooks``: the post-accumulate-grad hooks;
 - ``_memory``: the allocator around a step (:func:`step_allocations`).
 """

@@ -50,6 +50,7 @@ class DeferredSteps:
         self._failed = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierswap-step")
         self._hook: Any = None
+        self._guarded: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     @property
     def busy(self) -> bool:
@@ -64,6 +65,14 @@ class DeferredSteps:
         future = self._pool.submit(run)
         with self._cv:
             self._queued.append(future)
+
+    def cancel_queued(self) -> int:
+        """Drop the queued work that has not started (``step()`` knows the final gradients
+        now: those slices step with the rest); returns how many were dropped."""
+        with self._cv:
+            dropped = [future for future in self._queued if future.cancel()]
+            self._queued = [future for future in self._queued if not future.cancelled()]
+        return len(dropped)
 
     def start(self, counts: Mapping[int, int], run: Callable[[], None]) -> None:
         """Run ``run`` on the worker; ``counts`` says how many slices hold each parameter
@@ -119,15 +128,32 @@ class DeferredSteps:
         if first is not None:
             raise first
 
-    def hook_modules(self) -> None:
-        """Install the global forward pre-hook that waits for each module's own parameters
-        (it holds this object weakly: a dropped optimizer leaves no work in forward)."""
+    def hook_modules(
+        self, first: weakref.WeakMethod[Callable[[torch.nn.Module], None]] | None = None
+    ) -> None:
+        """Install the global forward pre-hook that waits for each module's own parameters,
+        after calling ``first(module)`` (the optimizer's check that no speculative step is
+        under way). Each module it sees also gets a ``state_dict`` pre-hook that waits so
+        (a checkpoint saved right after ``step()`` holds the stepped parameters). Both hold
+        this object weakly: a dropped optimizer leaves no work in forward."""
         ref = weakref.ref(self)
 
-        def before_forward(module: torch.nn.Module, _args: Any) -> None:
+        def own_params_ready(module: torch.nn.Module, *_: Any) -> None:
             steps = ref()
             if steps is not None and steps._pending:
                 steps.wait_for(module.parameters(recurse=False))
+
+        def before_forward(module: torch.nn.Module, _args: Any) -> None:
+            call = first() if first is not None else None
+            if call is not None:
+                call(module)
+            steps = ref()
+            if steps is None:
+                return
+            if module not in steps._guarded:  # its state_dict() waits for its parameters too
+                steps._guarded.add(module)
+                module.register_state_dict_pre_hook(own_params_ready)  # type: ignore[no-untyped-call]
+            own_params_ready(module)
 
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 

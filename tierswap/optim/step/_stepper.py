@@ -4,8 +4,14 @@ One :class:`Stepper` per optimizer turns a step into pipeline jobs, one per slic
 each slice's work to :func:`~tierswap.optim.step._slice_work.step_slice`. When the work runs depends
 on ``overlap``:
 
-- ``None`` (default): each parameter's gradient hook starts the reads of its slices; ``step()``
-  steps them all (:meth:`Stepper.step_now`).
+- ``"auto"``: each gradient hook hands the slices whose gradients are all final to
+  the worker, which steps them during backward, *speculatively*; ``step()`` checks them
+  (:mod:`~tierswap.optim.step._speculation`), then the worker redoes the wrong ones from their
+  pre-step state and steps the rest, in forward order, while the next forward runs
+  (:meth:`Stepper.step_auto`). Where it cannot speculate (the first step, resident slices,
+  speculation paused) it runs as ``"forward"``.
+- ``None`` (default): each parameter's gradient hook starts the reads of its slices;
+  ``step()`` steps them all (:meth:`Stepper.step_now`).
 - ``"backward"``: the hook steps each slice whose parameters' gradients are all final, and
   ``step()`` steps what is left.
 - ``"forward"``: ``step()`` freezes what the step needs and hands the slices, in forward order,
@@ -17,13 +23,14 @@ A step ends with its scalar state kept and, when the commit clock says so, a com
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any, cast
 
 import torch
 
-from tierswap.optim.persist import OptimizerParts, commit
-from tierswap.optim.plan import Layout, Slice, StepPlan, interleave
+from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
+from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group
 from tierswap.optim.step._memory import step_allocations, trim_heap
 from tierswap.optim.step._slice_work import (
@@ -31,8 +38,10 @@ from tierswap.optim.step._slice_work import (
     scales_job,
     scales_views,
     slice_job,
+    slice_reads,
     step_slice,
 )
+from tierswap.optim.step._speculation import Speculation, Stamp, same_groups
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper"]
@@ -53,13 +62,25 @@ class Stepper:
         #: The worker: the step that runs into the next forward (``overlap="forward"``), the
         #: slices that step during backward (``overlap="backward"``).
         self.deferred = DeferredSteps()
-        if parts.config.overlap == "forward":
-            self.deferred.hook_modules()
+        config = parts.config
+        self._auto = config.overlap == "auto"
+        if config.overlap in ("forward", "auto"):
+            self.deferred.hook_modules(weakref.WeakMethod(self._before_forward))
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
-        self._queued: set[int] = set()  # overlap="backward": slices handed to the worker
+        self._queued: set[int] = set()  # overlap="backward"/"auto": slices handed to the worker
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
+        #: "auto": the speculative slices and the schedule's record. Speculation needs a store
+        #: that keeps versions (durable) and state a slice owns whole (not 8-bit scales).
+        self.speculation = Speculation(
+            self._auto and config.durable and config.state_precision != "8bit"
+        )
+        self._passes = config.accumulation_steps  # backward passes per step (learnt in "auto")
+        self._blocked = False  # "auto": a forward ran after speculation began: none this step
+        self._speculating = False  # the worker is running speculative slices
+        self._spec_params: set[int] = set()  # id() of the params speculative slices changed
+        self._undo: dict[int, Any] = {}  # slice -> the write of its pre-step params (worker)
 
     @property
     def layout(self) -> Layout:
@@ -118,6 +139,141 @@ class Stepper:
 
         self.deferred.start(counts, run)
 
+    def step_auto(self) -> None:
+        """``overlap="auto"``: check the slices stepped in backward against what the step
+        sees now (gradients, hyper-parameters), then hand the worker the rest: roll the wrong
+        ones back and redo them, step those not stepped yet, in forward order, while the next
+        forward runs (each module waits for its own parameters); commit there when due."""
+        layout, state, spec = self.layout, self.parts.state, self.speculation
+        due = self.commit_due()
+        live = self._live_slots()
+        grads = {s.index: s.param.grad for s in layout.slots}
+        groups = [frozen_group(group) for group in self.parts.groups]
+        spec_groups = spec.groups or [hyper_parameters(g) for g in groups]
+        wrong = spec.wrong(layout.slices, grads, same_groups(spec_groups, [
+            hyper_parameters(g) for g in groups
+        ]))  # fmt: skip
+        kept = set(spec.stamps) - wrong
+        redo = [layout.slices[index] for index in sorted(wrong)]
+        pieces = [
+            p
+            for p in layout.slices[::-1]
+            if p.index not in kept and (p.index in wrong or any(s.index in live for s in p.slots))
+        ]
+        plan = state.plan if state.plan is not None else self._new_plan()
+        state.plan = None
+        plan.live = set(live)
+        plan.write_params = due
+        plan.groups = groups
+        plan.grads = {index: grads[index] for index in live}
+        for piece in redo:  # redone with the live set of now
+            for slot in piece.slots:
+                plan.small_after.pop(slot.index, None)
+        written = plan.live - {seg.slot.index for i in kept for seg in layout.slices[i].segments}
+        rolled = [seg for piece in redo for seg in piece.segments]
+        counts: Counter[int] = Counter(id(seg.slot.param) for seg in rolled)
+        for piece in pieces:
+            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
+        spec.close_step(
+            state.steps + 1, speculated=len(spec.stamps), redone=len(redo), after=len(pieces)
+        )
+        self._spec_params.clear()
+        self._end_backward()
+        state.steps += 1
+        speculated = bool(kept or redo)
+
+        def run() -> None:
+            with torch.no_grad(), step_allocations():
+                try:
+                    if redo:
+                        self._roll_back(redo, rolled)
+                    if speculated:
+                        self.parts.backend.release_savepoint()
+                    self._run_slices(plan, pieces)
+                finally:
+                    self.parts.backend.pipeline.release()
+                self._end_step(plan, due, written)
+
+        self.deferred.start(counts, run)
+
+    def _roll_back(self, pieces: list[Slice], segments: list[Any]) -> None:
+        """Return ``pieces`` to their pre-step state: the store's regions to the savepoint,
+        each parameter they stepped to its pre-step value; then the pending counts of the
+        parameters that are not stepped again (no gradient now)."""
+        names = self.parts.state.names
+        self.parts.backend.roll_back(r for piece in pieces for r in slice_reads(piece, names))
+        restore_params(self.parts, segments)
+        self.deferred.done(seg.slot.param for seg in segments)
+
+    def end_speculation(self) -> None:
+        """``step()`` starts: the slices handed over in backward that the worker has not
+        started will step with the rest (they need no speculation any more); wait for the
+        others, and raise a failure of theirs."""
+        if self._auto:
+            self.deferred.cancel_queued()
+        self.deferred.wait()
+
+    def gradients_dropped(self) -> None:
+        """``zero_grad()``: the gradients of this step go, whether it was taken or not (a
+        ``GradScaler`` skipped it): roll back what was speculated for it, and count backward
+        passes anew."""
+        if self._queued or self.speculation.pending:
+            self.end_speculation()
+            self.abandon()
+        self._grad_counts.clear()
+        self._final.clear()
+        self._queued.clear()
+        self._blocked = False
+
+    def abandon(self) -> None:
+        """``overlap="auto"``: the step that slices were speculated for is not taken (a
+        forward ran first, the gradients were dropped, the state was asked for): roll them
+        back, so that parameters and state are as before the step."""
+        self.deferred.wait()
+        spec, state = self.speculation, self.parts.state
+        if not spec.pending:
+            return
+        pieces = [self.layout.slices[index] for index in sorted(spec.stamps)]
+        segments = [seg for piece in pieces for seg in piece.segments]
+        try:
+            self.parts.backend.roll_back(
+                r for piece in pieces for r in slice_reads(piece, state.names)
+            )
+            restore_params(self.parts, segments)
+            self.parts.backend.release_savepoint()
+        except BaseException:
+            state.failed = True  # the parameters may hold the speculative values
+            raise
+        finally:
+            spec.forget()
+            self._spec_params.clear()
+            state.plan = None
+            state.stepped.clear()
+            self._queued.clear()
+            self._final.clear()
+
+    def _before_forward(self, module: torch.nn.Module) -> None:
+        """``module`` is about to run forward: if speculative slices changed one of its
+        parameters, the step they belong to was not taken yet (gradient accumulation, an
+        evaluation): roll them back, and speculate no more in this step (the next learns how
+        many backward passes a step takes)."""
+        if self._spec_params and any(
+            id(p) in self._spec_params for p in module.parameters(recurse=False)
+        ):
+            self._blocked = True
+            self.abandon()
+
+    def _end_backward(self) -> None:
+        """A step took its gradients: learn how many backward passes it took (``"auto"``),
+        and start counting anew."""
+        if self._auto and self._grad_counts and self.parts.config.accumulation_steps == 1:
+            self._passes = max(self._grad_counts.values())
+        self._grad_counts.clear()
+        self._final.clear()
+        self._queued.clear()
+        self._blocked = False
+        self.parts.state.stepped.clear()
+
     def commit_due(self) -> bool:
         """Whether the step under way (or about to start) ends with a commit."""
         return self.parts.commits.due(self.parts.state.steps + 1)
@@ -126,14 +282,17 @@ class Stepper:
         """The slots this step updates: those whose parameter has a gradient."""
         return {s.index for s in self.layout.slots if s.param.grad is not None}
 
-    def _end_step(self, plan: StepPlan | None, due: bool) -> None:
+    def _end_step(self, plan: StepPlan | None, due: bool, written: set[int] | None = None) -> None:
         """After a step's slices: keep their scalar state, note which params they wrote, and
-        commit when due (``step()``, or the worker of ``overlap="forward"``)."""
+        commit when due (``step()``, or the worker). ``written``: the live slots whose slices
+        all stepped with ``plan`` (not speculatively), when not all did."""
         if plan is not None:
             self.parts.state.small.update(plan.small_after)  # only now: hooks share small_before
         # Stepped params without a master were written with their slices when a commit is due.
         self.parts.state.params_written = (
-            plan.live if plan is not None and plan.write_params else set()
+            (plan.live if written is None else written)
+            if plan is not None and plan.write_params
+            else set()
         )
         self.parts.commits.stepped()
         if due:
@@ -152,12 +311,14 @@ class Stepper:
         slot = layout.slot_of.get(id(param))
         if slot is None or self.parts.backend.closed:
             return
-        if self.parts.config.overlap == "forward":  # read ahead now for the next step, in its order
-            if not self._read_ahead and not self.deferred.busy:
-                self._read_ahead = True
-                self._prefetch(layout.slices[::-1])
+        overlap = self.parts.config.overlap
+        if overlap == "auto":
+            self._grad_auto(layout, slot.index)
             return
-        if self.parts.config.overlap != "backward":
+        if overlap == "forward":  # read ahead now for the next step, in its order
+            self._read_ahead_forward(layout)
+            return
+        if overlap != "backward":
             self._prefetch(layout.slices_of[slot.index])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
@@ -168,6 +329,88 @@ class Stepper:
         if ready:
             self._queued.update(piece.index for piece in ready)
             self.deferred.queue(lambda: self._step_in_backward(layout, ready))
+
+    def _read_ahead_forward(self, layout: Layout) -> None:
+        """Once per backward: start the reads of the next step's first slices, in forward
+        order (unless the worker still steps the previous step)."""
+        if not self._read_ahead and not self.deferred.busy:
+            self._read_ahead = True
+            self._prefetch(layout.slices[::-1])
+
+    def _grad_auto(self, layout: Layout, index: int) -> None:
+        """``overlap="auto"``: hand the worker the slices this gradient makes ready, when this
+        step speculates and this is the step's last backward pass; else read ahead."""
+        count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
+        spec = self.speculation
+        if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
+            self._read_ahead = False
+            self._read_ahead_forward(layout)
+            return
+        self._final.add(index)
+        ready = [
+            p for p in layout.slices_of[index] if self._ready_in_backward(p) and self._speculable(p)
+        ]
+        if ready:
+            self._queued.update(piece.index for piece in ready)
+            self._spec_params.update(id(seg.slot.param) for p in ready for seg in p.segments)
+            self.deferred.queue(lambda: self._speculate(ready))
+
+    def _speculable(self, piece: Slice) -> bool:
+        """A slice that streams (a resident one's pre-step state is not in the store) and
+        whose parameters all have state (a first step creates it)."""
+        names = self.parts.state.names
+        return self.layout.placement.get(piece.index) is None and all(
+            names.get(seg.slot.index) for seg in piece.segments if seg.slot.param.requires_grad
+        )
+
+    def _speculate(self, ready: list[Slice]) -> None:
+        """On the worker, during backward: step ``ready`` speculatively (the first of a step
+        sets the store's savepoint and the step's plan)."""
+        state = self.parts.state
+        if self._blocked:
+            return
+        with torch.no_grad(), step_allocations():
+            if state.plan is None:
+                self.parts.backend.savepoint()
+                state.plan = self._new_plan()
+                state.plan.write_params = False  # the pre-step copies are written instead
+                self.speculation.groups = [hyper_parameters(g) for g in self.parts.groups]
+            plan = state.plan
+            plan.live |= {
+                seg.slot.index
+                for p in ready
+                for seg in p.segments
+                if seg.slot.param.grad is not None
+            }
+            self._undo = self._write_pre_step_params(ready, plan)
+            self._speculating = True
+            try:
+                self._run_slices(plan, ready)
+            finally:
+                self._speculating = False
+                undo, self._undo = self._undo, {}
+                for future in undo.values():  # (a slice that failed before its work)
+                    future.exception()
+            state.stepped.update(piece.index for piece in ready)
+
+    def _write_pre_step_params(self, pieces: list[Slice], plan: StepPlan) -> dict[int, Any]:
+        """Start writing the pre-step value of each live parameter of ``pieces`` that the
+        store keeps (:attr:`~tierswap.optim.plan.Slot.persists_param`: no master, or a
+        remainder) under its :attr:`~tierswap.optim.plan.Slot.param_key`, straight from the
+        parameter's memory: what a rollback restores it from. Each slice's work waits for its
+        own before it changes the parameter (:meth:`work`); by then it is mostly done."""
+        writes = {}
+        for piece in pieces:
+            regions = {
+                Region(seg.slot.param_key, seg.start, seg.stop): flat(seg.slot.param)[
+                    seg.start : seg.stop
+                ].detach()
+                for seg in piece.segments
+                if seg.slot.index in plan.live and seg.slot.persists_param
+            }
+            if regions:
+                writes[piece.index] = self.parts.backend.put_regions_async(regions)
+        return writes
 
     def _step_in_backward(self, layout: Layout, ready: list[Slice]) -> None:
         """On the worker, during backward: step ``ready``, then free the gradients of the
@@ -237,6 +480,16 @@ class Stepper:
             scales_held=self.layout.held_scales > 0,
         )  # fmt: skip
 
+    @staticmethod
+    def _stamps(plan: StepPlan, piece: Slice) -> list[Stamp]:
+        """What a speculative step of ``piece`` reads of each live gradient."""
+        stamps = []
+        for seg in piece.segments:
+            grad = seg.slot.param.grad
+            if seg.slot.index in plan.live and grad is not None:
+                stamps.append(Stamp.of(seg.slot.index, grad, seg.start, seg.stop))
+        return stamps
+
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         """One slice's step, as the pipeline calls it: its regions to write back (not its
         scales when the pipeline holds them: updated in place there)."""
@@ -245,6 +498,11 @@ class Stepper:
         pipeline = self.parts.backend.pipeline
         held = pipeline.resident(SCALES_JOB) if self.layout.held_scales else None
         views = scales_views(piece, self.parts.state.names, held or {})
+        if self._speculating:
+            self.speculation.record(piece.index, self._stamps(plan, piece))
+            undo = self._undo.pop(piece.index, None)
+            if undo is not None:
+                undo.result()  # the pre-step parameters are on disk before they change
         writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job))
         writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
