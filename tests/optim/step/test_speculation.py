@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.optim.models import assert_same_params, assert_same_state
+from tierswap.errors import FailedStepError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.step._speculation import FIRST_PAUSE, Stamp, same_groups
 
@@ -326,3 +327,32 @@ def test_same_groups_compares_tensors_by_value() -> None:
     b = [{"lr": torch.tensor(0.1), "betas": (0.9, 0.99)}, {"lr": 0.3}]
     assert same_groups(a, b) == [True, False]
     assert same_groups(a, a[:1]) == [True, False]
+
+
+def test_a_redo_that_fails_fails_the_step_and_keeps_the_last_commit(tmp_path) -> None:
+    _ref_model, _ref, model, opt = _pair(tmp_path, commit_every=1)
+    batches = _batches(4)
+    _train(model, opt, batches[:2])  # committed at step 2
+    opt.synchronize()
+    saved = [p.detach().clone() for p in model.parameters()]
+
+    def broken(regions) -> None:
+        list(regions)
+        raise OSError(5, "injected: the rollback's store is gone")
+
+    opt._backend.roll_back = broken  # type: ignore[method-assign]
+    model(batches[2]).square().mean().backward()
+    _speculated(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # every slice must be redone
+    opt.step()
+    with pytest.raises(OSError, match="injected"):
+        opt.synchronize()
+    with pytest.raises(FailedStepError):
+        opt.commit()
+    with pytest.warns(RuntimeWarning):
+        opt.close()
+    again = Stack()
+    with _swap(again, tmp_path, commit_every=1, resume=True) as resumed:
+        assert resumed.steps == 2
+        for a, b in zip(saved, again.parameters(), strict=True):
+            assert torch.equal(a, b)

@@ -190,6 +190,9 @@ class Stepper:
                     if speculated:
                         self.parts.backend.release_savepoint()
                     self._run_slices(plan, pieces)
+                except BaseException:
+                    self.parts.state.failed = True  # parameters or state half rolled back
+                    raise
                 finally:
                     self.parts.backend.pipeline.release()
                 self._end_step(plan, due, written)
