@@ -115,10 +115,6 @@ class Speculation:
         """Slices stepped speculatively and not yet checked by ``step()``."""
         return bool(self.stamps)
 
-    def params(self, slices: Sequence[Slice]) -> set[int]:
-        """The ``id`` of each parameter that the speculative slices stepped."""
-        return {id(seg.slot.param) for index in self.stamps for seg in slices[index].segments}
-
     def record(self, piece: int, stamps: list[Stamp]) -> None:
         self.stamps[piece] = stamps
 
