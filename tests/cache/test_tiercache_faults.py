@@ -21,7 +21,6 @@ value: the model marks it unknown (the values it may hold) until it is put or de
 
 from __future__ import annotations
 
-import errno
 import shutil
 import tempfile
 import threading
@@ -32,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.cache.books import assert_books_balance
+from tests.machines import ArmedFaults, InjectedFault, raise_, threaded_settings
 from tierswap import SwapStore, TierCache
 from tierswap.cache._tiers import footprint
 from tierswap.errors import BudgetError, KeyNotFoundError
@@ -55,58 +55,21 @@ FAULTS = st.sampled_from(
 SETTLE_SECONDS = 10.0  # far above any step's I/O: a cache that takes longer has hung
 
 
-class InjectedFault(OSError):  # noqa: N818 (a fault the test injects, named as such)
-    """The error :class:`FaultyStore` injects: which call it failed and how."""
-
-    def __init__(self, code: int, kind: str, mode: str, key: str) -> None:
-        super().__init__(code, f"injected {kind} failure ({mode}) of {key!r}")
-        self.kind = kind  # "read", "write" (a background put_async) or "write-through" (put)
-        self.mode = mode  # "raise": from the call; "fail": a failed future; "late": data written
-
-
-class FaultyStore:
+class FaultyStore(ArmedFaults):
     """A store whose I/O is delayed, and whose next read or next write fails when armed.
 
     Delegates to a real :class:`~tierswap.SwapStore`. With ``delay`` > 0 each read and write
     runs on its own thread after the delay (the real store's synchronous call), so completions
     arrive late and out of order; with ``delay == 0`` the store's own async calls run. A fault
-    is consumed by the first read (or write) that starts after it was armed, whatever its key.
-    Thread-safe: the cache starts I/O from its callers' threads and its pump thread.
+    is consumed by the first read (or write) that starts after it was armed, whatever its key;
+    its kinds: ``"read"``, ``"write"`` (a background ``put_async``), ``"write-through"``
+    (``put``). Thread-safe: the cache starts I/O from its callers' threads and its pump thread.
     """
 
     def __init__(self, inner: SwapStore) -> None:
+        super().__init__()
         self.inner = inner
         self.delay = 0.0
-        self.read_fault: str | None = None
-        self.write_fault: str | None = None
-        self.fired: list[InjectedFault] = []
-        self._lock = threading.Lock()
-
-    def arm(self, kind: str, mode: str) -> None:
-        """Fail the next read (``kind="read"``) or write the way ``mode`` says."""
-        with self._lock:
-            if kind == "read":
-                self.read_fault = mode
-            else:
-                self.write_fault = mode
-
-    def disarm(self) -> None:
-        with self._lock:
-            self.read_fault = self.write_fault = None
-
-    def _take(self, kind: str, key: str) -> InjectedFault | None:
-        """The fault armed for this call of ``kind``, consumed and recorded, or ``None``."""
-        with self._lock:
-            if kind == "read":
-                mode, self.read_fault = self.read_fault, None
-            else:
-                mode, self.write_fault = self.write_fault, None
-            if mode is None:
-                return None
-            code = errno.EIO if kind == "read" else errno.ENOSPC
-            fault = InjectedFault(code, kind, mode, key)
-            self.fired.append(fault)
-            return fault
 
     # ------------------------------------------------------------ what the cache calls
     def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
@@ -114,7 +77,7 @@ class FaultyStore:
         if fault is not None and fault.mode == "raise":
             raise fault
         if fault is not None:
-            return self._later(lambda: _raise(fault))
+            return self._later(lambda: raise_(fault))
         if not self.delay:
             return self.inner.get_async(key, out=out)
         return self._later(lambda: self.inner.get(key, out=out))
@@ -124,9 +87,9 @@ class FaultyStore:
         if fault is not None and fault.mode == "raise":
             raise fault
         if fault is not None and fault.mode == "fail":
-            return self._later(lambda: _raise(fault))
+            return self._later(lambda: raise_(fault))
         if fault is not None:  # late: the data lands, then the error is reported
-            return self._later(lambda: (self.inner.put(key, tensor), _raise(fault)))
+            return self._later(lambda: (self.inner.put(key, tensor), raise_(fault)))
         if not self.delay:
             return self.inner.put_async(key, tensor)
         return self._later(lambda: self.inner.put(key, tensor))
@@ -166,10 +129,6 @@ class FaultyStore:
 
         threading.Thread(target=run, name="faulty-store-io", daemon=True).start()
         return future
-
-
-def _raise(error: BaseException) -> Any:
-    raise error
 
 
 Value = torch.Tensor | None  # None: the key is absent
@@ -486,12 +445,5 @@ def _one_of(got: torch.Tensor | None, candidates: list[Value]) -> bool:
     )
 
 
-FaultyCacheMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
-    deadline=None,
-    # threads make replays inexact: shrinking one failure, not each, keeps a failing run short
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FaultyCacheMachine.TestCase.settings = threaded_settings(max_examples=150, steps=40)
 TestFaultyCacheMachine = FaultyCacheMachine.TestCase

@@ -39,10 +39,11 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.machines import ArmedFaults, InjectedFault, raise_, threaded_settings
 from tierswap import SwapStore
 from tierswap.engine import BufferPool, Disk, Ledger, Region, overlap
 from tierswap.io import footprint
@@ -75,50 +76,20 @@ AFTER = st.sampled_from([None, "landed", "later", "later"])
 Slot = tuple[str, int]
 
 
-class InjectedFault(OSError):  # noqa: N818 (a fault the test injects, named as such)
-    """A failure :class:`FlakyStore` (or a copy back) injects: which call, and how."""
-
-    def __init__(self, code: int, kind: str, mode: str, key: str) -> None:
-        super().__init__(code, f"injected {kind} failure ({mode}) of {key!r}")
-        self.kind = kind  # "read", "write" or "copy" (a write's ``after`` failed)
-        self.mode = mode  # "raise": from the call; "fail": a failed future; "late": data landed
-
-
-class FlakyStore:
+class FlakyStore(ArmedFaults):
     """A :class:`~tierswap.SwapStore` whose region I/O runs on one FIFO worker after a delay,
-    and whose next read or write fails when armed.
+    and whose next read or write fails when armed (its faults' kinds: ``"read"``,
+    ``"write"``; the machine's own ``"copy"``: a write's ``after`` failed).
 
     One worker keeps the real store's order: a read runs after the writes started before it.
     Thread-safe: writes start on the machine's thread and on the threads that land copies.
     """
 
     def __init__(self, inner: SwapStore) -> None:
+        super().__init__()
         self.inner = inner
         self.delay = 0.0
-        self.read_fault: str | None = None
-        self.write_fault: str | None = None
-        self.fired: list[InjectedFault] = []
-        self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="flaky-store")
-
-    def arm(self, kind: str, mode: str) -> None:
-        with self._lock:
-            if kind == "read":
-                self.read_fault = mode
-            else:
-                self.write_fault = mode
-
-    def _take(self, kind: str, key: str) -> InjectedFault | None:
-        with self._lock:
-            if kind == "read":
-                mode, self.read_fault = self.read_fault, None
-            else:
-                mode, self.write_fault = self.write_fault, None
-            if mode is None:
-                return None
-            fault = InjectedFault(errno.EIO if kind == "read" else errno.ENOSPC, kind, mode, key)
-            self.fired.append(fault)
-            return fault
 
     def info(self, key: str) -> Any:
         return self.inner.info(key)
@@ -133,7 +104,7 @@ class FlakyStore:
         if fault is not None and fault.mode == "raise":
             raise fault
         if fault is not None:
-            return self._later(lambda: _raise(fault))
+            return self._later(lambda: raise_(fault))
         return self._later(lambda: self.inner.get_region(key, start, stop, out=out))
 
     def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
@@ -141,9 +112,9 @@ class FlakyStore:
         if fault is not None and fault.mode == "raise":
             raise fault
         if fault is not None and fault.mode == "fail":
-            return self._later(lambda: _raise(fault))
+            return self._later(lambda: raise_(fault))
         if fault is not None:  # late: the data lands, then the error is reported
-            return self._later(lambda: (self.inner.put_region(key, start, tensor), _raise(fault)))
+            return self._later(lambda: (self.inner.put_region(key, start, tensor), raise_(fault)))
         return self._later(lambda: self.inner.put_region(key, start, tensor))
 
     def _later(self, call: Callable[[], Any]) -> Future[Any]:
@@ -167,10 +138,6 @@ class FlakyStore:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
-
-
-def _raise(error: BaseException) -> Any:
-    raise error
 
 
 @dataclasses.dataclass(eq=False)
@@ -661,14 +628,7 @@ def _complete(after: Future[None], error: BaseException | None) -> None:
         after.set_exception(error)
 
 
-EngineMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=25,
-    deadline=None,
-    # threads make replays inexact: shrinking one failure, not each, keeps a failing run short
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+EngineMachine.TestCase.settings = threaded_settings(max_examples=40, steps=25)
 TestEngineMachine = EngineMachine.TestCase
 
 

@@ -25,11 +25,12 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.engine.recording import RecordingTransfers, ptrs_of, steps_after_their_copies
+from tests.machines import threaded_settings
 from tierswap import SwapStore
 from tierswap.errors import BudgetError
 from tierswap.pipeline import Job, Pipeline, Region
@@ -337,14 +338,7 @@ class PipelineMachine(RuleBasedStateMachine):
             assert steps_after_their_copies(self.transfers.log) == []
 
 
-PipelineMachine.TestCase.settings = settings(
-    max_examples=25,
-    stateful_step_count=15,
-    deadline=None,
-    # threads make replays inexact: shrinking one failure, not each, keeps a failing run short
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+PipelineMachine.TestCase.settings = threaded_settings(max_examples=25, steps=15)
 DEEP = settings(PipelineMachine.TestCase.settings, max_examples=150, stateful_step_count=40)
 TestPipelineMachine = PipelineMachine.TestCase
 
