@@ -32,7 +32,7 @@ class StepState:
     names: defaultdict[int, list[str]] = dataclasses.field(
         default_factory=lambda: defaultdict(list)
     )
-    #: Slices stepped in backward hooks during this step (``overlap="backward"``).
+    #: Slices stepped in backward during this step (``overlap="backward"`` and ``"auto"``).
     stepped: set[int] = dataclasses.field(default_factory=set)
     #: The plan of a step under way (hooks and ``step()`` share it), else ``None``.
     plan: StepPlan | None = None

@@ -149,10 +149,8 @@ class Stepper:
         live = self._live_slots()
         grads = {s.index: s.param.grad for s in layout.slots}
         groups = [frozen_group(group) for group in self.parts.groups]
-        spec_groups = spec.groups or [hyper_parameters(g) for g in groups]
-        wrong = spec.wrong(layout.slices, grads, same_groups(spec_groups, [
-            hyper_parameters(g) for g in groups
-        ]))  # fmt: skip
+        now = [hyper_parameters(g) for g in groups]
+        wrong = spec.wrong(layout.slices, grads, same_groups(spec.groups or now, now))
         kept = set(spec.stamps) - wrong
         redo = [layout.slices[index] for index in sorted(wrong)]
         pieces = [
@@ -186,7 +184,9 @@ class Stepper:
             with torch.no_grad(), step_allocations():
                 try:
                     if redo:
-                        self._roll_back(redo, rolled)
+                        self._roll_back(redo)
+                        # (those with a gradient now stay pending until they step again)
+                        self.deferred.done(seg.slot.param for seg in rolled)
                     if speculated:
                         self.parts.backend.release_savepoint()
                     self._run_slices(plan, pieces)
@@ -199,14 +199,12 @@ class Stepper:
 
         self.deferred.start(counts, run)
 
-    def _roll_back(self, pieces: list[Slice], segments: list[Any]) -> None:
+    def _roll_back(self, pieces: list[Slice]) -> None:
         """Return ``pieces`` to their pre-step state: the store's regions to the savepoint,
-        each parameter they stepped to its pre-step value; then the pending counts of the
-        parameters that are not stepped again (no gradient now)."""
+        each parameter they stepped to its pre-step value."""
         names = self.parts.state.names
         self.parts.backend.roll_back(r for piece in pieces for r in slice_reads(piece, names))
-        restore_params(self.parts, segments)
-        self.deferred.done(seg.slot.param for seg in segments)
+        restore_params(self.parts, [seg for piece in pieces for seg in piece.segments])
 
     def end_speculation(self) -> None:
         """``step()`` starts: the slices handed over in backward that the worker has not
@@ -220,13 +218,12 @@ class Stepper:
         """``zero_grad()``: the gradients of this step go, whether it was taken or not (a
         ``GradScaler`` skipped it): roll back what was speculated for it, and count backward
         passes anew."""
+        if not self._auto:
+            return
         if self._queued or self.speculation.pending:
             self.end_speculation()
             self.abandon()
-        self._grad_counts.clear()
-        self._final.clear()
-        self._queued.clear()
-        self._blocked = False
+        self._end_backward(learn=False)
 
     def abandon(self) -> None:
         """``overlap="auto"``: the step that slices were speculated for is not taken (a
@@ -236,13 +233,8 @@ class Stepper:
         spec, state = self.speculation, self.parts.state
         if not spec.pending:
             return
-        pieces = [self.layout.slices[index] for index in sorted(spec.stamps)]
-        segments = [seg for piece in pieces for seg in piece.segments]
         try:
-            self.parts.backend.roll_back(
-                r for piece in pieces for r in slice_reads(piece, state.names)
-            )
-            restore_params(self.parts, segments)
+            self._roll_back([self.layout.slices[index] for index in sorted(spec.stamps)])
             self.parts.backend.release_savepoint()
         except BaseException:
             state.failed = True  # the parameters may hold the speculative values
@@ -266,10 +258,10 @@ class Stepper:
             self._blocked = True
             self.abandon()
 
-    def _end_backward(self) -> None:
-        """A step took its gradients: learn how many backward passes it took (``"auto"``),
-        and start counting anew."""
-        if self._auto and self._grad_counts and self.parts.config.accumulation_steps == 1:
+    def _end_backward(self, *, learn: bool = True) -> None:
+        """A step took its gradients (or, without ``learn``, they were dropped): learn how
+        many backward passes it took (``"auto"``), and start counting anew."""
+        if learn and self._auto and self._grad_counts and self.parts.config.accumulation_steps == 1:
             self._passes = max(self._grad_counts.values())
         self._grad_counts.clear()
         self._final.clear()
