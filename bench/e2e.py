@@ -76,9 +76,11 @@ CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 
 #: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
 MODES: dict[str, dict[str, Any]] = {
+    # overlap="auto": speculation in backward, checked and finished by step()
     "default": {},
-    # speculation in backward, checked by step(), the rest into the next forward
-    "auto": {"overlap": "auto"},
+    # no overlap: reads start in backward, every slice steps in step() (the default until
+    # 2026-12-03)
+    "none": {"overlap": None},
     "every1": {"commit_every": 1},
     "backward": {"overlap": "backward"},
     "nocommit": {"commit_every": 0},
@@ -377,7 +379,7 @@ def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
             print(f"  forward {ph['forward']:.3f} s, backward {ph['backward']:.3f} s, "
                   f"step {ph['step']:.3f} s")  # fmt: skip
         for sched in row.get("schedule") or []:
-            if sched.get("overlap") == "auto":
+            if sched.get("overlap") in ("auto", "forward"):
                 print(
                     f"  schedule: {sched['mode']}; slices stepped in backward "
                     f"{sched['speculated']}, redone {sched['redone']}, after backward "

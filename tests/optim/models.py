@@ -49,6 +49,17 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     opt.step()
 
 
+def settled_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """As :func:`train_step`, with a backward that lasts until the slices it handed a
+    SwapOptimizer's worker have stepped (as a GPU's backward does; these models' are too
+    short): under ``overlap="auto"`` every slice with state then steps speculatively, so what
+    a step reads and writes does not depend on the threads' timing."""
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt._stepper.deferred.wait()  # type: ignore[attr-defined]
+    opt.step()
+
+
 def min_host_budget(params: object, optimizer_class: type, **kwargs: object) -> int:
     """The minimum the ConfigError names for a budget of one byte."""
     try:

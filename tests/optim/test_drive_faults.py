@@ -26,14 +26,19 @@ from tests.optim.models import (
     assert_same_state,
     batch_for_step,
     make_models,
+    settled_step,
     train_step,
 )
 from tests.store.faults import FaultyEngine, ShortIO, finishes, inject, remove, short_io
 from tierswap.errors import FailedStepError
 from tierswap.optim import SwapOptimizer
 
-# commit_every=1: each step() commits, so a fault in a step's reads, writes or commit is seen
-KWARGS = {"host_budget": 8192, "commit_every": 1, "lr": 1e-2, "weight_decay": 0.05}
+# commit_every=1: each step() commits, so a fault in a step's reads, writes or commit is seen;
+# overlap=None: a step's reads and writes do not depend on the threads' timing (speculation's
+# do: test_each_call_of_a_step_failing_in_turn_keeps_the_resume_exact settles its backward)
+KWARGS = {
+    "host_budget": 8192, "commit_every": 1, "lr": 1e-2, "weight_decay": 0.05, "overlap": None,
+}  # fmt: skip
 #: The keys of a positional folder, as the error messages quote them.
 KEY_IN_MESSAGE = re.compile(r"key '(p\d+/[\w.]+|optim/small)'")
 
@@ -47,7 +52,7 @@ def _use_io(monkeypatch: pytest.MonkeyPatch, folder: Path, direct: str) -> None:
 
 def _optimizer(model: torch.nn.Module, swap_dir: Path, **kwargs: object) -> SwapOptimizer:
     return SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **KWARGS, **kwargs
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **{**KWARGS, **kwargs}
     )
 
 
@@ -130,46 +135,48 @@ def test_eio_in_step_names_the_key_and_the_resume_is_bit_exact(
 
 
 def _two_steps_then_fail(
-    swap_dir: Path, fail: dict[str, set[int]]
+    swap_dir: Path, fail: dict[str, set[int]], **kwargs: object
 ) -> tuple[torch.nn.Module, SwapOptimizer]:
     """An optimizer that took two whole steps, with ``fail`` (as :func:`inject` takes it)
     armed at its store for the third."""
     _, model = make_models()
-    opt = _optimizer(model, swap_dir)
+    opt = _optimizer(model, swap_dir, **kwargs)
     for step in range(2):
-        train_step(model, opt, batch_for_step(step))
+        settled_step(model, opt, batch_for_step(step))
     inject(opt._backend.store, fail=fail)
     return model, opt
 
 
-def _calls_of_a_step(swap_dir: Path, job: str) -> int:
+def _calls_of_a_step(swap_dir: Path, job: str, **kwargs: object) -> int:
     """How many ``job`` calls the third step makes (the first two create and fill state)."""
     _, model = make_models()
-    with _optimizer(model, swap_dir) as opt:
+    with _optimizer(model, swap_dir, **kwargs) as opt:
         for step in range(2):
-            train_step(model, opt, batch_for_step(step))
+            settled_step(model, opt, batch_for_step(step))
         counting = inject(opt._backend.store, fail={job: set()})
-        train_step(model, opt, batch_for_step(2))
+        settled_step(model, opt, batch_for_step(2))
         remove(opt._backend.store)
     return counting.calls[job]
 
 
+@pytest.mark.parametrize("overlap", [None, "auto"])
 @pytest.mark.parametrize("job", ["write_file", pytest.param("read_file", marks=pytest.mark.slow)])
 def test_each_call_of_a_step_failing_in_turn_keeps_the_resume_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str, overlap: str | None
 ) -> None:
     """Each read or write of a step fails with EIO in turn: the step raises naming a key,
     and the resume is bit-exact. (A write-behind that failed was raised once, by the step's
     commit, then forgotten: close() committed the step without it, and the resume held an
-    old slice beside new ones.)"""
+    old slice beside new ones.) With ``"auto"`` every slice steps speculatively in backward
+    (its backward is settled): a fault there fails the step, which rolls back."""
     _use_io(monkeypatch, tmp_path, "on")
-    calls = _calls_of_a_step(tmp_path / "count", job)
+    calls = _calls_of_a_step(tmp_path / "count", job, overlap=overlap)
     assert calls >= 7
     for call in range(1, calls + 1):
         swap_dir = tmp_path / f"call{call}"
-        model, opt = _two_steps_then_fail(swap_dir, {job: {call}})
+        model, opt = _two_steps_then_fail(swap_dir, {job: {call}}, overlap=overlap)
         with pytest.raises(OSError, match="Input/output error") as info:
-            train_step(model, opt, batch_for_step(2))
+            settled_step(model, opt, batch_for_step(2))
         assert KEY_IN_MESSAGE.search(str(info.value)), (call, info.value)
         remove(opt._backend.store)
         _close(opt)

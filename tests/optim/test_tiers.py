@@ -97,9 +97,14 @@ def test_resident_slices_are_written_at_commits_only(tmp_path) -> None:
     torch.manual_seed(0)
     model = Stack()
     opt = SwapOptimizer(
-        model.named_parameters(), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "run",
-        host_budget=STATE // 2, commit_every=4,
-    )  # fmt: skip
+        model.named_parameters(),
+        torch.optim.AdamW,
+        lr=1e-2,
+        swap_dir=tmp_path / "run",
+        host_budget=STATE // 2,
+        commit_every=4,
+        overlap=None,
+    )  # fmt: skip  (overlap=None: speculation also writes the streamed params' pre-step copies)
     with opt:
         _run(model, opt, steps=1)  # the first step creates the state
         opt.synchronize()

@@ -40,7 +40,7 @@ class SwapConfig:
     durable: bool = True
     commit_every: int | Literal["auto"] = "auto"
     resume: bool = False
-    overlap: str | None = None
+    overlap: str | None = "auto"
     accumulation_steps: int = 1
     resume_from: str | os.PathLike[str] | None = None
     state_precision: StatePrecision = "fp32"

@@ -103,18 +103,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         to resume from: ``swap_dir`` is replaced by hard links to it (a copy across
         filesystems), then the run resumes as with ``resume=True``. The snapshot is not changed.
     overlap:
-        When the step runs. ``None`` (default): the slices' reads start in backward,
-        :meth:`step` steps them all. ``"auto"`` (opt-in): each slice steps on the optimizer's
-        worker during backward, as soon as the gradients of its parameters are final, without
-        blocking autograd; :meth:`step` checks those steps against the gradients and
-        hyper-parameters it sees (after clipping, unscaling, edits) and returns; the worker
-        redoes the ones that differ from their pre-step state, and the slices left step
-        while the next forward runs, each module waiting only for its own parameters (read
-        parameters otherwise after :meth:`synchronize`). Bitwise equal to the plain
-        optimizer; where redoing recurs (clipping that triggers every step, ``GradScaler``)
-        it stops speculating for a while (``tier_stats()["schedule"]``). Speculation needs
-        a durable store and fp32 or bf16 state (with ``"8bit"`` it steps after backward).
-        ``"forward"``: step after backward, in forward order, while the next forward runs.
+        When the step runs. ``"auto"`` (default): each slice steps on the optimizer's worker
+        during backward, as soon as the gradients of its parameters are final, without
+        blocking autograd (*speculatively*); :meth:`step` checks those steps against the
+        gradients and hyper-parameters it sees (after clipping, unscaling, edits), rolls the
+        ones that differ back to their pre-step state and redoes them, steps the slices
+        left, and returns with every parameter updated. Bitwise equal to the plain optimizer;
+        where redoing recurs (clipping that triggers every step, ``GradScaler``) it stops
+        speculating for a while (``tier_stats()["schedule"]``). Speculation needs a durable
+        store and fp32 or bf16 state; where it cannot speculate (the first step, resident
+        slices, ``"8bit"``, ``durable=False``) it steps as ``None`` does.
+        ``"forward"``: the same, but :meth:`step` returns at once and the rest of the step
+        (redoing included) runs while the next forward does, each module waiting only for its
+        own parameters (read parameters otherwise after :meth:`synchronize`).
+        ``None``: no overlap: the slices' reads start in backward, :meth:`step` steps them all.
         ``"backward"``: each slice steps on the hooks' worker and nothing checks it: no
         global clipping, no ``GradScaler``. ``docs/optimizer.md`` says what each costs.
     accumulation_steps:
@@ -150,7 +152,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         durable: bool = True,
         commit_every: int | Literal["auto"] = "auto",
         resume: bool = False,
-        overlap: str | None = None,
+        overlap: str | None = "auto",
         accumulation_steps: int = 1,
         resume_from: str | os.PathLike[str] | None = None,
         state_precision: StatePrecision = "fp32",
@@ -356,8 +358,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step every parameter that has a gradient, slice by slice; commit when due.
 
-        With ``overlap="auto"`` and ``"forward"`` the slices left are handed to a worker and
-        this returns at once; they step, in forward order, while the next forward pass runs.
+        With ``overlap="forward"`` the slices left are handed to a worker and this returns at
+        once; they step, in forward order, while the next forward pass runs.
         """
         self._stepper.end_speculation()
         self._adopt_direct_state()
@@ -366,11 +368,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             self._stepper.end_speculation()  # the slices its backward handed over
-        if self._config.overlap == "auto":
-            self._stepper.step_auto()
-            return loss
-        if self._config.overlap == "forward":
-            self._stepper.schedule()
+        if self._config.overlap in ("auto", "forward"):
+            self._stepper.step_checked()
             return loss
         with step_allocations():  # the step's transients go back to the OS when freed
             self._stepper.step_now()

@@ -139,8 +139,8 @@ def test_a_failed_deferred_step_is_raised_and_not_committed(tmp_path, monkeypatc
     opt.step()  # returns: the failure comes from the worker
     with pytest.raises(OSError, match="Input/output"):
         opt.synchronize()
-    with pytest.warns(RuntimeWarning, match="step failed"):
-        opt.close()
+    assert opt.steps == 1  # the failed step is not counted: the last commit holds them all
+    opt.close()
     resumed = SwapOptimizer(
         Stack().named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
         swap_dir=tmp_path / "run", host_budget="48KiB", resume=True,

@@ -21,7 +21,7 @@ from tierswap.optim.step import Stepper
 
 def test_backward_starts_reading_the_first_slices() -> None:
     _, model = make_models()
-    with SwapOptimizer(model.parameters(), host_budget="64KiB") as swap:
+    with SwapOptimizer(model.parameters(), host_budget="64KiB", overlap=None) as swap:
         data = batches(2)
         train_step(model, swap, data[0])  # creates the state
         pipeline = swap._backend.pipeline

@@ -54,7 +54,7 @@ def test_a_step_without_gradients_counts_and_runs_nothing(monkeypatch) -> None:
 def test_a_gradient_of_a_parameter_it_does_not_hold_is_ignored(monkeypatch) -> None:
     _, model = make_models()
     stranger = torch.nn.Parameter(torch.ones(3))
-    with SwapOptimizer(model.parameters(), host_budget="8KiB") as swap:
+    with SwapOptimizer(model.parameters(), host_budget="8KiB", overlap=None) as swap:
         pipeline = swap._backend.pipeline
         prefetched: list[object] = []
         monkeypatch.setattr(pipeline, "prefetch", prefetched.extend)

@@ -112,8 +112,14 @@ class Speculation:
 
     @property
     def pending(self) -> bool:
-        """Slices stepped speculatively and not yet checked by ``step()``."""
-        return bool(self.stamps)
+        """A speculative step began (the store holds its savepoint, :attr:`groups` is set) and
+        ``step()`` has not checked it yet."""
+        return self.groups is not None
+
+    def begin(self, groups: list[dict[str, Any]]) -> None:
+        """A speculative step begins (the store's savepoint is set) with the param groups'
+        hyper-parameters ``groups``."""
+        self.groups = groups
 
     def record(self, piece: int, stamps: list[Stamp]) -> None:
         self.stamps[piece] = stamps

@@ -1,28 +1,30 @@
-"""How a SwapOptimizer's step runs its slices: in ``step()``, in backward, or into forward.
+"""How a SwapOptimizer's step runs its slices: in backward (checked), in ``step()``, or into
+forward.
 
 One :class:`Stepper` per optimizer turns a step into pipeline jobs, one per slice, and hands
 each slice's work to :func:`~tierswap.optim.step._slice_work.step_slice`. When the work runs depends
 on ``overlap``:
 
-- ``"auto"``: each gradient hook hands the slices whose gradients are all final to
+- ``"auto"`` (default): each gradient hook hands the slices whose gradients are all final to
   the worker, which steps them during backward, *speculatively*; ``step()`` checks them
-  (:mod:`~tierswap.optim.step._speculation`), then the worker redoes the wrong ones from their
-  pre-step state and steps the rest, in forward order, while the next forward runs
-  (:meth:`Stepper.step_auto`). Where it cannot speculate (the first step, resident slices,
-  speculation paused) it runs as ``"forward"``.
-- ``None`` (default): each parameter's gradient hook starts the reads of its slices;
+  (:mod:`~tierswap.optim.step._speculation`), rolls the wrong ones back to their pre-step
+  state, redoes them and steps the rest, and returns with every parameter updated
+  (:meth:`Stepper.step_checked`). Where it cannot speculate (the first step, resident slices,
+  speculation paused, 8-bit state, a scratch store) the hooks start reads, as with ``None``.
+- ``"forward"``: the same speculation in backward, but ``step()`` hands the redoing and the
+  rest to the worker and returns; they step, in forward order, while the next forward runs,
+  each module waiting for its own parameters.
+- ``None``: no overlap: each parameter's gradient hook starts the reads of its slices;
   ``step()`` steps them all (:meth:`Stepper.step_now`).
 - ``"backward"``: the hook steps each slice whose parameters' gradients are all final, and
-  ``step()`` steps what is left.
-- ``"forward"``: ``step()`` freezes what the step needs and hands the slices, in forward order,
-  to the worker of :class:`~tierswap.optim.step.DeferredSteps` (:meth:`Stepper.schedule`);
-  the first gradient hook of the next backward starts the next step's reads.
+  ``step()`` steps what is left; nothing checks them (no global clipping, no ``GradScaler``).
 
 A step ends with its scalar state kept and, when the commit clock says so, a commit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 from typing import Any, cast
@@ -52,26 +54,28 @@ class Stepper:
     OptimizerParts`: the store, the layout, the step bookkeeping, the commit clock, the torch
     optimizer of each group and the param groups), which the optimizer owns.
 
-    It owns the optimizer's worker (:attr:`deferred`, for ``overlap="forward"`` and
-    ``"backward"``) and what a step under way knows of the gradient hooks. Called from the
+    It owns the optimizer's worker (:attr:`deferred`: speculative slices, the slices of
+    ``overlap="backward"``, the step that runs into the next forward) and what a step under way
+    knows of the gradient hooks. Called from the
     training thread (``step()`` and the hooks), and from the worker for the slices it runs.
     """
 
     def __init__(self, parts: OptimizerParts) -> None:
         self.parts = parts
-        #: The worker: the step that runs into the next forward (``overlap="forward"``), the
-        #: slices that step during backward (``overlap="backward"``).
+        #: The worker: the slices that step during backward, the step that runs into the next
+        #: forward (``overlap="forward"``).
         self.deferred = DeferredSteps()
         config = parts.config
-        self._auto = config.overlap == "auto"
-        if config.overlap in ("forward", "auto"):
+        self._auto = config.overlap in ("auto", "forward")  # speculates, step() checks
+        self._ends_in_step = config.overlap != "forward"  # step() returns with the step done
+        if self._auto:
             self.deferred.hook_modules(weakref.WeakMethod(self._before_forward))
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
         self._queued: set[int] = set()  # overlap="backward"/"auto": slices handed to the worker
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
-        #: "auto": the speculative slices and the schedule's record. Speculation needs a store
+        #: The speculative slices and the schedule's record. Speculation needs a store
         #: that keeps versions (durable) and state a slice owns whole (not 8-bit scales).
         self.speculation = Speculation(
             self._auto and config.durable and config.state_precision != "8bit"
@@ -113,37 +117,12 @@ class Stepper:
         self.parts.state.steps += 1
         self._end_step(plan, due)
 
-    def schedule(self) -> None:
-        """``overlap="forward"``: freeze what the step needs now (gradients, hyper-parameters),
-        then step the slices on the worker, in forward order, and commit there when due."""
-        due = self.commit_due()
-        live = self._live_slots()
-        pieces = [p for p in self.layout.slices[::-1] if any(s.index in live for s in p.slots)]
-        plan = self._new_plan()
-        plan.live |= live
-        plan.groups = [frozen_group(group) for group in self.parts.groups]  # the scheduler moves on
-        plan.grads = {index: self.layout.slots[index].param.grad for index in live}
-        self._read_ahead = False  # the next backward starts the next step's reads
-        counts: Counter[int] = Counter()
-        for piece in pieces:
-            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
-        self.parts.state.steps += 1
-
-        def run() -> None:
-            with step_allocations():
-                try:
-                    self._run_slices(plan, pieces)
-                finally:
-                    self.parts.backend.pipeline.release()
-                self._end_step(plan, due)
-
-        self.deferred.start(counts, run)
-
-    def step_auto(self) -> None:
-        """``overlap="auto"``: check the slices stepped in backward against what the step
-        sees now (gradients, hyper-parameters), then hand the worker the rest: roll the wrong
-        ones back and redo them, step those not stepped yet, in forward order, while the next
-        forward runs (each module waits for its own parameters); commit there when due."""
+    def step_checked(self) -> None:
+        """``overlap="auto"`` and ``"forward"``: check the slices stepped in backward against
+        what the step sees now (gradients, hyper-parameters); roll the wrong ones back and
+        redo them, step those not stepped yet, and commit when due. ``"auto"`` does so here,
+        in backward order; ``"forward"`` hands it to the worker, in forward order, while the
+        next forward runs (each module waits for its own parameters)."""
         layout, state, spec = self.layout, self.parts.state, self.speculation
         due = self.commit_due()
         live = self._live_slots()
@@ -155,9 +134,10 @@ class Stepper:
         redo = [layout.slices[index] for index in sorted(wrong)]
         pieces = [
             p
-            for p in layout.slices[::-1]
+            for p in layout.slices
             if p.index not in kept and (p.index in wrong or any(s.index in live for s in p.slots))
         ]
+        pieces = interleave(pieces, layout.placement) if self._ends_in_step else pieces[::-1]
         plan = state.plan if state.plan is not None else self._new_plan()
         state.plan = None
         plan.live = set(live)
@@ -169,16 +149,13 @@ class Stepper:
                 plan.small_after.pop(slot.index, None)
         written = plan.live - {seg.slot.index for i in kept for seg in layout.slices[i].segments}
         rolled = [seg for piece in redo for seg in piece.segments]
-        counts: Counter[int] = Counter(id(seg.slot.param) for seg in rolled)
-        for piece in pieces:
-            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
+        speculated = spec.pending  # the store holds the savepoint
         spec.close_step(
             state.steps + 1, speculated=len(spec.stamps), redone=len(redo), after=len(pieces)
         )
         self._spec_params.clear()
         self._end_backward()
         state.steps += 1
-        speculated = bool(kept or redo)
 
         def run() -> None:
             with torch.no_grad(), step_allocations():
@@ -191,12 +168,19 @@ class Stepper:
                         self.parts.backend.release_savepoint()
                     self._run_slices(plan, pieces)
                 except BaseException:
-                    self.parts.state.failed = True  # parameters or state half rolled back
+                    state.failed = True  # parameters or state half rolled back
+                    state.steps -= 1  # not taken (a loaded state continues from the one before)
                     raise
                 finally:
                     self.parts.backend.pipeline.release()
                 self._end_step(plan, due, written)
 
+        if self._ends_in_step:
+            run()
+            return
+        counts: Counter[int] = Counter(id(seg.slot.param) for seg in rolled)
+        for piece in pieces:
+            counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
         self.deferred.start(counts, run)
 
     def _roll_back(self, pieces: list[Slice]) -> None:
@@ -209,10 +193,18 @@ class Stepper:
     def end_speculation(self) -> None:
         """``step()`` starts: the slices handed over in backward that the worker has not
         started will step with the rest (they need no speculation any more); wait for the
-        others, and raise a failure of theirs."""
+        others, and raise a failure of theirs (after rolling back what was speculated: that
+        step is not taken)."""
         if self._auto:
             self.deferred.cancel_queued()
-        self.deferred.wait()
+        try:
+            self.deferred.wait()
+        except BaseException:
+            if self._auto:  # a speculative slice failed: its step is not taken
+                self.parts.backend.pipeline.release()
+                with contextlib.suppress(BaseException):  # (its own failure marks the state)
+                    self.abandon()
+            raise
 
     def gradients_dropped(self) -> None:
         """``zero_grad()``: the gradients of this step go, whether it was taken or not (a
@@ -267,6 +259,7 @@ class Stepper:
         self._final.clear()
         self._queued.clear()
         self._blocked = False
+        self._read_ahead = False
         self.parts.state.stepped.clear()
 
     def commit_due(self) -> bool:
@@ -307,11 +300,8 @@ class Stepper:
         if slot is None or self.parts.backend.closed:
             return
         overlap = self.parts.config.overlap
-        if overlap == "auto":
+        if self._auto:
             self._grad_auto(layout, slot.index)
-            return
-        if overlap == "forward":  # read ahead now for the next step, in its order
-            self._read_ahead_forward(layout)
             return
         if overlap != "backward":
             self._prefetch(layout.slices_of[slot.index])
@@ -338,8 +328,10 @@ class Stepper:
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
         spec = self.speculation
         if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
-            self._read_ahead = False
-            self._read_ahead_forward(layout)
+            if self._ends_in_step:
+                self._prefetch(layout.slices_of[index])
+            else:
+                self._read_ahead_forward(layout)
             return
         self._final.add(index)
         ready = [
@@ -367,9 +359,9 @@ class Stepper:
         with torch.no_grad(), step_allocations():
             if state.plan is None:
                 self.parts.backend.savepoint()
+                self.speculation.begin([hyper_parameters(g) for g in self.parts.groups])
                 state.plan = self._new_plan()
                 state.plan.write_params = False  # the pre-step copies are written instead
-                self.speculation.groups = [hyper_parameters(g) for g in self.parts.groups]
             plan = state.plan
             plan.live |= {
                 seg.slot.index
@@ -494,10 +486,10 @@ class Stepper:
         held = pipeline.resident(SCALES_JOB) if self.layout.held_scales else None
         views = scales_views(piece, self.parts.state.names, held or {})
         if self._speculating:
-            self.speculation.record(piece.index, self._stamps(plan, piece))
             undo = self._undo.pop(piece.index, None)
             if undo is not None:
                 undo.result()  # the pre-step parameters are on disk before they change
+            self.speculation.record(piece.index, self._stamps(plan, piece))  # can roll back
         writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job))
         writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
