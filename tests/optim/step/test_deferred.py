@@ -134,8 +134,10 @@ def test_a_failed_deferred_step_is_raised_and_not_committed(tmp_path, monkeypatc
     def broken(plan, job, tensors):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(opt._stepper, "work", broken)
     model(_batches(1)[0]).sum().backward()
+    opt._stepper.deferred.wait()  # the slices speculated in backward have stepped
+    monkeypatch.setattr(opt._stepper, "work", broken)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # all of them must be redone
     opt.step()  # returns: the failure comes from the worker
     with pytest.raises(OSError, match="Input/output"):
         opt.synchronize()

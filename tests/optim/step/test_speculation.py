@@ -12,6 +12,7 @@ import torch
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.errors import FailedStepError
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.step import _stepper
 from tierswap.optim.step._speculation import FIRST_PAUSE, Stamp, same_groups
 
 LAYERS = 6
@@ -368,3 +369,20 @@ def test_a_redo_that_fails_fails_the_step_and_keeps_the_last_commit(tmp_path, ov
         assert resumed.steps == 2
         for a, b in zip(saved, again.parameters(), strict=True):
             assert torch.equal(a, b)
+
+
+def test_ddp_gradients_are_not_speculated_on(tmp_path, monkeypatch) -> None:
+    """Under a process group of several ranks, plain-tensor gradients (DDP's) are averaged
+    only when backward ends: the hooks see each rank's local one, so nothing is speculated
+    (every slice would be redone); the steps run after backward, bitwise as before."""
+    monkeypatch.setattr(_stepper, "world", lambda: (0, 2))
+    ref_model, ref, model, opt = _pair(tmp_path)
+    batches = _batches(4)
+    with opt:
+        _train(ref_model, ref, batches)
+        _train(model, opt, batches)
+        _check(ref_model, ref, model, opt)
+        schedule = _schedule(opt)
+        assert schedule["mode"] == "after backward"
+        assert schedule["speculated"] == 0
+        assert schedule["after_backward"] == 4 * len(opt.slices)

@@ -31,8 +31,9 @@ from typing import Any, cast
 
 import torch
 
+from tierswap.optim.distributed import world
 from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
-from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
+from tierswap.optim.plan import Layout, Slice, Slot, StepPlan, flat, interleave, local_tensor
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group
 from tierswap.optim.step._memory import step_allocations, trim_heap
 from tierswap.optim.step._slice_work import (
@@ -46,7 +47,15 @@ from tierswap.optim.step._slice_work import (
 from tierswap.optim.step._speculation import Speculation, Stamp, same_groups
 from tierswap.pipeline import Job, Region
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "reduced_after_backward"]
+
+
+def reduced_after_backward(slots: list[Slot]) -> bool:
+    """Whether the gradients are averaged across ranks only when backward ends: plain tensors
+    under a process group of several ranks (DDP, alone or under ZeRO). Their hooks fire on each
+    rank's local gradient, so a slice stepped in backward would always be redone. FSDP2's
+    sharded parameters (DTensors) get their hooks after the reduce-scatter: final."""
+    return world()[1] > 1 and not any(local_tensor(s.param) is not s.param for s in slots)
 
 
 class Stepper:
@@ -76,9 +85,13 @@ class Stepper:
         self._queued: set[int] = set()  # overlap="backward"/"auto": slices handed to the worker
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
         #: The speculative slices and the schedule's record. Speculation needs a store
-        #: that keeps versions (durable) and state a slice owns whole (not 8-bit scales).
+        #: that keeps versions (durable), state a slice owns whole (not 8-bit scales), and
+        #: gradients final in backward (not DDP's, averaged when backward ends).
         self.speculation = Speculation(
-            self._auto and config.durable and config.state_precision != "8bit"
+            self._auto
+            and config.durable
+            and config.state_precision != "8bit"
+            and not reduced_after_backward(parts.layout.slots)
         )
         self._passes = config.accumulation_steps  # backward passes per step (learnt in "auto")
         self._blocked = False  # "auto": a forward ran after speculation began: none this step
