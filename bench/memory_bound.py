@@ -1,10 +1,14 @@
 """Benchmark: peak RSS of an offloaded step against the stated bound, also on a slow disk.
 
     PYTHONPATH=. python bench/memory_bound.py [--runs 3] [--steps 4] [--throttle 300MB,150MB]
-                                              [--dir D]
+                                              [--dir D] [--overlap auto,none]
 
-The model is 23 fp32 parameters of 4,194,304 elements (96.5M; their gradients set), stepped
-by ``SwapOptimizer`` over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0``.
+The model is 23 fp32 parameters of 4,194,304 elements (96.5M), stepped by ``SwapOptimizer``
+over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0``. Each step's
+gradients come from a backward (``1e-3 * sum(p.sum())``: a constant gradient per parameter,
+no activations), so that the gradient hooks run and the default ``overlap="auto"`` steps
+slices in backward, as in training (``--overlap`` names the modes to run, each run of each
+interleaved: ``auto``, ``none`` for ``overlap=None``, ``forward``, ``backward``).
 Each run is its own process: it notes its RSS after the imports and one step of torch's own
 AdamW on a one-element tensor (the baseline: torch imports its compiler stack, about 75 MiB,
 the first time any optimizer steps; the imports alone are printed too), makes the
@@ -31,7 +35,7 @@ PARAMS, NUMEL, BUDGET = 23, 4_194_304, 128 << 20
 MIB = 1 << 20
 
 
-def child(folder: Path, steps: int) -> dict[str, float]:
+def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
     """One run, in this process: baseline, peak and the bound, in bytes."""
     import torch
     from _peak import current_rss, peak_rss
@@ -50,14 +54,14 @@ def child(folder: Path, steps: int) -> dict[str, float]:
     # of freed 16 MiB blocks in glibc's heap (its mmap threshold rises to the largest block
     # freed), memory of the caller's own making that this bench does not measure
     params = [torch.nn.Parameter(torch.empty(NUMEL).normal_()) for _ in range(PARAMS)]
-    for p in params:
-        p.grad = torch.empty(NUMEL).normal_(std=1e-3)
     opt = ts.SwapOptimizer(
         params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=folder, host_budget=BUDGET,
-        commit_every=0,
+        commit_every=0, overlap=overlap,
     )  # fmt: skip
     with opt:
         for _ in range(steps):
+            opt.zero_grad()
+            (1e-3 * sum(p.sum() for p in params)).backward()
             opt.step()
         opt.synchronize()
     model = 2 * PARAMS * NUMEL * 4  # parameters and gradients
@@ -73,32 +77,36 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--throttle", default=None, help="READ,WRITE caps, e.g. 300MB,150MB")
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
+    p.add_argument("--overlap", default="auto", help="modes, comma-separated: auto,none,...")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    modes = args.overlap.split(",")
     if args.child is not None:
-        print(json.dumps(child(args.child, args.steps)))
+        overlap = None if modes[0] == "none" else modes[0]
+        print(json.dumps(child(args.child, args.steps, overlap)))
         return
-    results = []
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for run in range(args.runs):
-            command = [sys.executable, __file__, "--child", f"{tmp}/run{run}",
-                       "--steps", str(args.steps)]  # fmt: skip
+        for run, mode in ((run, mode) for run in range(args.runs) for mode in modes):
+            command = [sys.executable, __file__, "--child", f"{tmp}/run{run}-{mode}",
+                       "--steps", str(args.steps), "--overlap", mode]  # fmt: skip
             if args.throttle:
                 command = [sys.executable, str(ROOT / "bench/_throttle.py"),
                            "--cap", tmp, args.throttle, "--", *command]  # fmt: skip
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
-            results.append(result)
+            results[mode].append(result)
             print(
-                f"run {run + 1}: imports {result['imported'] / MIB:.0f} MiB, baseline (after "
-                f"a first torch optimizer step) {result['baseline'] / MIB:.0f} MiB, peak "
+                f"run {run + 1} {mode}: imports {result['imported'] / MIB:.0f} MiB, baseline "
+                f"(after a first torch optimizer step) {result['baseline'] / MIB:.0f} MiB, peak "
                 f"{result['peak'] / MIB:.0f} MiB, bound {result['bound'] / MIB:.0f} MiB, "
                 f"peak/bound {result['peak'] / result['bound']:.3f}",
                 flush=True,
             )
-    worst = max(r["peak"] / r["bound"] for r in results)
-    print(f"worst peak/bound over {len(results)} runs: {worst:.3f}"
-          f"{' (throttled ' + args.throttle + ')' if args.throttle else ''}")  # fmt: skip
+    for mode, runs in results.items():
+        worst = max(r["peak"] / r["bound"] for r in runs)
+        print(f"{mode}: worst peak/bound over {len(runs)} runs: {worst:.3f}"
+              f"{' (throttled ' + args.throttle + ')' if args.throttle else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":
