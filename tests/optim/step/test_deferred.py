@@ -4,6 +4,7 @@ LR schedulers and closures."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.step._deferred import NICENESS, DeferredSteps
 
 LAYERS = 6
 
@@ -149,3 +151,19 @@ def test_a_failed_deferred_step_is_raised_and_not_committed(tmp_path, monkeypatc
     )  # fmt: skip
     with resumed:
         assert resumed.steps == 1  # the last commit, not the failed step
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities: Linux")
+def test_the_worker_runs_nicer_than_the_training_thread() -> None:
+    """A model computed on the CPU keeps its cores: the worker (speculative slices, the step
+    carried into forward) runs at a lower CPU priority than the thread that made it."""
+    steps = DeferredSteps()
+    seen: list[int] = []
+    steps.queue(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    try:
+        steps.wait()
+    finally:
+        steps.close()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(19, mine + NICENESS)]
+    assert mine == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # unchanged
