@@ -15,13 +15,18 @@ status is non-zero when any check fails. Checks:
      fp32-master reference on the GPU.
   5. pinned host buffers: the engine's host buffers are page-locked.
   6. overlap: after backward the pipeline already holds reads of the step's first slices; the
-     iteration with overlap="forward" (the step runs into the next forward) against the
-     default, both bitwise equal to torch, with CUDA-event timings of forward, backward, step.
+     iteration with overlap="forward" (the step runs into the next forward) against
+     overlap=None, on a scratch store (no speculation), both bitwise equal, with CUDA-event
+     timings of forward, backward, step.
   7. device memory: peak allocated <= model + grads + activations + device budget + 10%.
   8. copy/step overlap: slices streamed through the device (device + host + NVMe): each
      slice's host-to-device copy (side stream) and step (compute stream) timed with CUDA events
      on one timeline: the copies overlap the steps (seconds both ran, copies that ran during a
      step), and the result is bitwise equal to torch's CUDA AdamW.
+  9. speculation (the default, overlap="auto"): slices step on the worker during backward,
+     step() checks them; bitwise equal to overlap=None with clipping that never and that
+     always triggers (nothing redone / slices redone), with CUDA-event seconds of backward
+     under both (the hooks must not block it: compare the two).
 
 On --device cpu (a dry run) the same checks run their code paths on the CPU; timings are
 wall clock and the overlap figures are not measured.
@@ -253,7 +258,7 @@ def _iteration(model, opt, x) -> list[float]:
 
 
 def check_overlap(folder: Path, steps: int) -> None:
-    """Reads start in backward; overlap="forward" against the default, both bitwise."""
+    """Reads start in backward; overlap="forward" against overlap=None, both bitwise."""
     base = make_model(width=4096, depth=8)  # ~134M params: ~1 GiB of AdamW state
     state = 8 * sum(p.numel() for p in base.parameters())
     data = batches(steps + 1, width=4096)
@@ -281,6 +286,50 @@ def check_overlap(folder: Path, steps: int) -> None:
     ok = same(finals[None], finals["forward"])
     ok = ok and figures["held_after_backward_None"] > 0
     record("overlap: reads start in backward; forward mode bitwise", ok, **figures)
+
+
+def check_speculation(folder: Path, steps: int, width: int = 2048) -> None:
+    """The default, overlap="auto": slices step on the worker during backward and step()
+    checks them. Bitwise equal to overlap=None with clipping that never triggers (``max_norm``
+    twice each step's gradient norm: nothing redone) and that always does (half of it: slices
+    redone, then speculation pauses); CUDA-event seconds of backward with the hooks handing
+    slices over, against overlap=None's (the figure to read: the hooks must not block)."""
+    base = make_model(width=width, depth=8)  # 2048: ~34M params, ~270 MB of AdamW state
+    state = 8 * sum(p.numel() for p in base.parameters())
+    data = batches(steps + 2, width=width)
+    figures: dict[str, object] = {}
+    ok = True
+    for clip in (2.0, 0.5):  # max_norm as a share of each step's gradient norm
+        finals = {}
+        for mode in (None, "auto"):
+            model = copy.deepcopy(base)
+            opt = ts.SwapOptimizer(model.parameters(), swap_dir=folder / f"spec-{mode}-{clip}",
+                                   host_budget=state // 4, device_budget=state // 4,
+                                   overlap=mode)  # fmt: skip
+            backward = []
+            with opt:
+                for x in data:
+                    opt.zero_grad()
+                    loss = loss_of(model, x)
+                    phases = _Phases()
+                    phases.mark()
+                    loss.backward()
+                    phases.mark()
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip * norm.item())
+                    opt.step()
+                    backward += phases.seconds()
+                opt.synchronize()
+                schedule = opt.tier_stats()["schedule"]
+            finals[mode] = [p.detach().clone() for p in model.parameters()]
+            figures[f"backward_s_{mode}_clip{clip:g}"] = round(min(backward[1:]), 4)
+            if mode == "auto":
+                figures[f"speculated_clip{clip:g}"] = schedule["speculated"]
+                figures[f"redone_clip{clip:g}"] = schedule["redone"]
+                redone_ok = schedule["redone"] == 0 if clip > 1 else schedule["redone"] > 0
+                ok = ok and schedule["speculated"] > 0 and redone_ok
+        ok = ok and same(finals[None], finals["auto"])
+    record("speculation (the default): bitwise with clipping; backward seconds", ok, **figures)
 
 
 def _peak_of(model, opt, data) -> int:
@@ -455,6 +504,7 @@ def main() -> int:
         lambda: check_bitwise_host_step(folder, args.steps),
         lambda: check_mixed_precision(folder, args.steps),
         lambda: check_overlap(folder, args.steps),
+        lambda: check_speculation(folder, args.steps),
         lambda: check_copy_overlap(folder, args.steps),
     ]
     if DEVICE == "cuda":
