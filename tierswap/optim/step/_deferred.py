@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeferredSteps", "frozen_group"]
+__all__ = ["DeferredSteps", "frozen_group", "own_parameters"]
 
 
 def frozen_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +54,14 @@ def _yield_cpu() -> None:
         me = threading.get_native_id()
         nice = os.getpriority(os.PRIO_PROCESS, me)
         os.setpriority(os.PRIO_PROCESS, me, min(19, nice + NICENESS))
+
+
+def own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a module's forward reads before its submodules' hooks run: its own, or
+    for a ``torch.compile`` wrapper (whose submodules' hooks do not run eagerly) all of those
+    under it."""
+    compiled = getattr(module, "_orig_mod", None) is not None
+    return list(module.parameters(recurse=compiled))
 
 
 class DeferredSteps:
@@ -150,19 +158,24 @@ class DeferredSteps:
     def hook_modules(
         self, first: weakref.WeakMethod[Callable[[torch.nn.Module], None]] | None = None
     ) -> None:
-        """Install the global forward pre-hook that waits for each module's own parameters,
-        after calling ``first(module)`` (the optimizer's check that no speculative step is
-        under way). Each module it sees also gets a ``state_dict`` pre-hook that waits so
-        (a checkpoint saved right after ``step()`` holds the stepped parameters). Both hold
-        this object weakly: a dropped optimizer leaves no work in forward."""
+        """Install the global forward pre-hook that waits for each module's own parameters
+        (:func:`own_parameters`), after calling ``first(module)`` (the optimizer's check that
+        no speculative step changed them). Each module it sees also gets a ``state_dict``
+        pre-hook that waits so (a checkpoint saved right after ``step()`` holds the stepped
+        parameters). Both hold this object weakly: a dropped optimizer leaves no work in
+        forward. Inside a ``torch.compile`` trace the hook does nothing (it cannot wait
+        there); the compiled module's own call, which runs eagerly, does it for all the
+        parameters under it."""
         ref = weakref.ref(self)
 
         def own_params_ready(module: torch.nn.Module, *_: Any) -> None:
             steps = ref()
             if steps is not None and steps._pending:
-                steps.wait_for(module.parameters(recurse=False))
+                steps.wait_for(own_parameters(module))
 
         def before_forward(module: torch.nn.Module, _args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             call = first() if first is not None else None
             if call is not None:
                 call(module)

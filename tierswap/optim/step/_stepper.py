@@ -34,7 +34,7 @@ import torch
 from tierswap.optim.distributed import world
 from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
 from tierswap.optim.plan import Layout, Slice, Slot, StepPlan, flat, interleave, local_tensor
-from tierswap.optim.step._deferred import DeferredSteps, frozen_group
+from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
 from tierswap.optim.step._memory import step_allocations, trim_heap
 from tierswap.optim.step._slice_work import (
     SCALES_JOB,
@@ -254,12 +254,11 @@ class Stepper:
 
     def _before_forward(self, module: torch.nn.Module) -> None:
         """``module`` is about to run forward: if speculative slices changed one of its
-        parameters, the step they belong to was not taken yet (gradient accumulation, an
-        evaluation): roll them back, and speculate no more in this step (the next learns how
-        many backward passes a step takes)."""
-        if self._spec_params and any(
-            id(p) in self._spec_params for p in module.parameters(recurse=False)
-        ):
+        parameters (:func:`~tierswap.optim.step._deferred.own_parameters`), the step they
+        belong to was not taken yet (gradient accumulation, an evaluation): roll them back,
+        and speculate no more in this step (the next learns how many backward passes a step
+        takes)."""
+        if self._spec_params and any(id(p) in self._spec_params for p in own_parameters(module)):
             self._blocked = True
             self.abandon()
 
