@@ -153,16 +153,11 @@ def test_each_slice_is_copied_in_while_the_one_before_steps(monkeypatch, tmp_pat
     _install(monkeypatch, transfers, sync_writes=True)
     torch.manual_seed(0)
     model = Stack()
+    # overlap=None: one run of every slice (speculation runs a few at a time, as they get ready)
     opt = SwapOptimizer(
-        model.parameters(),
-        logged(transfers),
-        lr=1e-2,
-        swap_dir=tmp_path / "run",
-        host_budget="64KiB",
-        device_budget="48KiB",
-        policy="lru",
-        overlap=None,
-    )  # fmt: skip  (overlap=None: one run of every slice; speculation runs a few at a time)
+        model.parameters(), logged(transfers), lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget="64KiB", device_budget="48KiB", policy="lru", overlap=None,
+    )  # fmt: skip
     with opt:
         assert not opt.placement  # LRU keeps nothing of a cycle larger than a tier
         _run(model, opt, steps=3)

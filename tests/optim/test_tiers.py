@@ -96,15 +96,11 @@ def test_resident_slices_are_written_at_commits_only(tmp_path) -> None:
     """With commit_every=N the resident share is not written between commits."""
     torch.manual_seed(0)
     model = Stack()
+    # overlap=None: speculation would also write the streamed parameters' pre-step copies
     opt = SwapOptimizer(
-        model.named_parameters(),
-        torch.optim.AdamW,
-        lr=1e-2,
-        swap_dir=tmp_path / "run",
-        host_budget=STATE // 2,
-        commit_every=4,
-        overlap=None,
-    )  # fmt: skip  (overlap=None: speculation also writes the streamed params' pre-step copies)
+        model.named_parameters(), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "run",
+        host_budget=STATE // 2, commit_every=4, overlap=None,
+    )  # fmt: skip
     with opt:
         _run(model, opt, steps=1)  # the first step creates the state
         opt.synchronize()
