@@ -416,3 +416,33 @@ def test_a_compiled_model_speculates_bitwise(how, overlap, tmp_path) -> None:
         _check(ref_model, ref, model, opt)
         assert _schedule(opt)["speculated"] > 0
     assert len(graphs) == 1  # one graph: the hook breaks nothing
+
+
+def test_a_failed_speculation_found_by_another_call_is_rolled_back(tmp_path, monkeypatch) -> None:
+    """A speculative slice that fails is raised by whichever call waits for the worker first
+    (here synchronize(), as state_dict() or commit() would): the slices that did step are
+    rolled back before it raises, and the step is not committed."""
+    _ref_model, _ref, model, opt = _pair(tmp_path, commit_every=1)
+    batches = _batches(3)
+    _train(model, opt, batches[:2])
+    saved = [p.detach().clone() for p in model.parameters()]
+    real = opt._stepper.work
+    calls = []
+
+    def fails_second(plan, job, tensors):
+        calls.append(job.name)
+        if len(calls) == 2:
+            raise OSError(5, "injected: the second slice's disk is gone")
+        return real(plan, job, tensors)
+
+    monkeypatch.setattr(opt._stepper, "work", fails_second)
+    model(batches[2]).square().mean().backward()
+    with pytest.raises(OSError, match="injected"):
+        opt.synchronize()
+    assert len(calls) >= 2  # one slice stepped before the failure, and was rolled back
+    for a, b in zip(saved, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt._state.failed
+    with pytest.raises(FailedStepError):
+        opt.commit()
+    opt.close()

@@ -233,24 +233,32 @@ class Stepper:
     def abandon(self) -> None:
         """``overlap="auto"``: the step that slices were speculated for is not taken (a
         forward ran first, the gradients were dropped, the state was asked for): roll them
-        back, so that parameters and state are as before the step."""
-        self.deferred.wait()
-        spec, state = self.speculation, self.parts.state
-        if not spec.pending:
-            return
+        back, so that parameters and state are as before the step. A failure of the worker
+        is raised after that (the slices it stepped are rolled back all the same)."""
+        failure: BaseException | None = None
         try:
-            self._roll_back([self.layout.slices[index] for index in sorted(spec.stamps)])
-            self.parts.backend.release_savepoint()
-        except BaseException:
-            state.failed = True  # the parameters may hold the speculative values
-            raise
-        finally:
-            spec.forget()
-            self._spec_params.clear()
-            state.plan = None
-            state.stepped.clear()
-            self._queued.clear()
-            self._final.clear()
+            self.deferred.wait()
+        except BaseException as exc:
+            failure = exc
+            self.parts.backend.pipeline.release()  # what the failed slices read ahead
+        spec, state = self.speculation, self.parts.state
+        if spec.pending:
+            try:
+                self._roll_back([self.layout.slices[index] for index in sorted(spec.stamps)])
+                self.parts.backend.release_savepoint()
+            except BaseException:
+                state.failed = True  # the parameters may hold the speculative values
+                if failure is None:
+                    raise
+            finally:
+                spec.forget()
+                self._spec_params.clear()
+                state.plan = None
+                state.stepped.clear()
+                self._queued.clear()
+                self._final.clear()
+        if failure is not None:
+            raise failure
 
     def _before_forward(self, module: torch.nn.Module) -> None:
         """``module`` is about to run forward: if speculative slices changed one of its
