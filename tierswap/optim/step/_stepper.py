@@ -75,26 +75,28 @@ class Stepper:
         #: forward (``overlap="forward"``).
         self.deferred = DeferredSteps()
         config = parts.config
-        self._auto = config.overlap in ("auto", "forward")  # speculates, step() checks
+        self._speculative = config.overlap in ("auto", "forward")  # speculates, step() checks
         self._ends_in_step = config.overlap != "forward"  # step() returns with the step done
-        if self._auto:
+        if self._speculative:
             self.deferred.hook_modules(weakref.WeakMethod(self._before_forward))
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
-        self._queued: set[int] = set()  # overlap="backward"/"auto": slices handed to the worker
+        self._queued: set[int] = set()  # slices handed to the worker in backward
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
         #: The speculative slices and the schedule's record. Speculation needs a store
         #: that keeps versions (durable), state a slice owns whole (not 8-bit scales), and
         #: gradients final in backward (not DDP's, averaged when backward ends).
         self.speculation = Speculation(
-            self._auto
+            self._speculative
             and config.durable
             and config.state_precision != "8bit"
             and not reduced_after_backward(parts.layout.slots)
         )
-        self._passes = config.accumulation_steps  # backward passes per step (learnt in "auto")
-        self._blocked = False  # "auto": a forward ran after speculation began: none this step
+        self._passes = (
+            config.accumulation_steps
+        )  # backward passes per step (learnt when speculating)
+        self._blocked = False  # a forward ran after speculation began: none this step
         self._speculating = False  # the worker is running speculative slices
         self._spec_params: set[int] = set()  # id() of the params speculative slices changed
         self._undo: dict[int, Any] = {}  # slice -> the write of its pre-step params (worker)
@@ -208,12 +210,12 @@ class Stepper:
         started will step with the rest (they need no speculation any more); wait for the
         others, and raise a failure of theirs (after rolling back what was speculated: that
         step is not taken)."""
-        if self._auto:
+        if self._speculative:
             self.deferred.cancel_queued()
         try:
             self.deferred.wait()
         except BaseException:
-            if self._auto:  # a speculative slice failed: its step is not taken
+            if self._speculative:  # a speculative slice failed: its step is not taken
                 self.parts.backend.pipeline.release()
                 with contextlib.suppress(BaseException):  # (its own failure marks the state)
                     self.abandon()
@@ -223,7 +225,7 @@ class Stepper:
         """``zero_grad()``: the gradients of this step go, whether it was taken or not (a
         ``GradScaler`` skipped it): roll back what was speculated for it, and count backward
         passes anew."""
-        if not self._auto:
+        if not self._speculative:
             return
         if self._queued or self.speculation.pending:
             self.end_speculation()
@@ -231,10 +233,11 @@ class Stepper:
         self._end_backward(learn=False)
 
     def abandon(self) -> None:
-        """``overlap="auto"``: the step that slices were speculated for is not taken (a
-        forward ran first, the gradients were dropped, the state was asked for): roll them
-        back, so that parameters and state are as before the step. A failure of the worker
-        is raised after that (the slices it stepped are rolled back all the same)."""
+        """Speculation (``"auto"``, ``"forward"``): the step that slices were speculated for
+        is not taken (a forward ran first, the gradients were dropped, the state was asked
+        for): roll them back, so that parameters and state are as before the step. A failure
+        of the worker is raised after that (the slices it stepped are rolled back all the
+        same)."""
         failure: BaseException | None = None
         try:
             self.deferred.wait()
@@ -272,8 +275,13 @@ class Stepper:
 
     def _end_backward(self, *, learn: bool = True) -> None:
         """A step took its gradients (or, without ``learn``, they were dropped): learn how
-        many backward passes it took (``"auto"``), and start counting anew."""
-        if learn and self._auto and self._grad_counts and self.parts.config.accumulation_steps == 1:
+        many backward passes it took (when speculating), and start counting anew."""
+        if (
+            learn
+            and self._speculative
+            and self._grad_counts
+            and self.parts.config.accumulation_steps == 1
+        ):
             self._passes = max(self._grad_counts.values())
         self._grad_counts.clear()
         self._final.clear()
@@ -320,7 +328,7 @@ class Stepper:
         if slot is None or self.parts.backend.closed:
             return
         overlap = self.parts.config.overlap
-        if self._auto:
+        if self._speculative:
             self._grad_auto(layout, slot.index)
             return
         if overlap != "backward":
@@ -343,7 +351,7 @@ class Stepper:
             self._prefetch(layout.slices[::-1])
 
     def _grad_auto(self, layout: Layout, index: int) -> None:
-        """``overlap="auto"``: hand the worker the slices this gradient makes ready, when this
+        """Speculation: hand the worker the slices this gradient makes ready, when this
         step speculates and this is the step's last backward pass; else read ahead."""
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
         spec = self.speculation
