@@ -93,13 +93,11 @@ class DeferredSteps:
         with self._cv:
             self._queued.append(future)
 
-    def cancel_queued(self) -> int:
+    def cancel_queued(self) -> None:
         """Drop the queued work that has not started (``step()`` knows the final gradients
-        now: those slices step with the rest); returns how many were dropped."""
+        now: those slices step with the rest)."""
         with self._cv:
-            dropped = [future for future in self._queued if future.cancel()]
-            self._queued = [future for future in self._queued if not future.cancelled()]
-        return len(dropped)
+            self._queued = [future for future in self._queued if not future.cancel()]
 
     def start(self, counts: Mapping[int, int], run: Callable[[], None]) -> None:
         """Run ``run`` on the worker; ``counts`` says how many slices hold each parameter
@@ -156,11 +154,12 @@ class DeferredSteps:
             raise first
 
     def hook_modules(
-        self, first: weakref.WeakMethod[Callable[[torch.nn.Module], None]] | None = None
+        self, first: weakref.WeakMethod[Callable[[torch.nn.Module], None]], *, wait: bool
     ) -> None:
-        """Install the global forward pre-hook that waits for each module's own parameters
-        (:func:`own_parameters`), after calling ``first(module)`` (the optimizer's check that
-        no speculative step changed them). Each module it sees also gets a ``state_dict``
+        """Install the global forward pre-hook that calls ``first(module)`` (the optimizer's
+        check that no speculative step changed the module's parameters) and, with ``wait``
+        (a step that runs into the next forward), waits for the module's own parameters
+        (:func:`own_parameters`); each module it sees then also gets a ``state_dict``
         pre-hook that waits so (a checkpoint saved right after ``step()`` holds the stepped
         parameters). Both hold this object weakly: a dropped optimizer leaves no work in
         forward. Inside a ``torch.compile`` trace the hook does nothing (it cannot wait
@@ -176,11 +175,11 @@ class DeferredSteps:
         def before_forward(module: torch.nn.Module, _args: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            call = first() if first is not None else None
+            call = first()
             if call is not None:
                 call(module)
             steps = ref()
-            if steps is None:
+            if not wait or steps is None:
                 return
             if module not in steps._guarded:  # its state_dict() waits for its parameters too
                 steps._guarded.add(module)

@@ -24,7 +24,6 @@ A step ends with its scalar state kept and, when the commit clock says so, a com
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import Counter
 from typing import Any, cast
@@ -78,7 +77,9 @@ class Stepper:
         self._speculative = config.overlap in ("auto", "forward")  # speculates, step() checks
         self._ends_in_step = config.overlap != "forward"  # step() returns with the step done
         if self._speculative:
-            self.deferred.hook_modules(weakref.WeakMethod(self._before_forward))
+            self.deferred.hook_modules(
+                weakref.WeakMethod(self._before_forward), wait=not self._ends_in_step
+            )
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
@@ -93,9 +94,8 @@ class Stepper:
             and config.state_precision != "8bit"
             and not reduced_after_backward(parts.layout.slots)
         )
-        self._passes = (
-            config.accumulation_steps
-        )  # backward passes per step (learnt when speculating)
+        #: Backward passes per step (learnt when speculating).
+        self._passes = config.accumulation_steps
         self._blocked = False  # a forward ran after speculation began: none this step
         self._speculating = False  # the worker is running speculative slices
         self._spec_params: set[int] = set()  # id() of the params speculative slices changed
@@ -214,11 +214,9 @@ class Stepper:
             self.deferred.cancel_queued()
         try:
             self.deferred.wait()
-        except BaseException:
-            if self._speculative:  # a speculative slice failed: its step is not taken
-                self.parts.backend.pipeline.release()
-                with contextlib.suppress(BaseException):  # (its own failure marks the state)
-                    self.abandon()
+        except BaseException as failure:
+            if self._speculative:
+                self._undo_speculation(failure)
             raise
 
     def gradients_dropped(self) -> None:
@@ -238,30 +236,36 @@ class Stepper:
         for): roll them back, so that parameters and state are as before the step. A failure
         of the worker is raised after that (the slices it stepped are rolled back all the
         same)."""
-        failure: BaseException | None = None
         try:
             self.deferred.wait()
-        except BaseException as exc:
-            failure = exc
-            self.parts.backend.pipeline.release()  # what the failed slices read ahead
+        except BaseException as failure:
+            self._undo_speculation(failure)
+            raise
+        self._undo_speculation(None)
+
+    def _undo_speculation(self, failure: BaseException | None) -> None:
+        """Roll the speculated slices back and forget them. After the worker's ``failure``
+        (raised by the caller), drop what its slices read ahead, and let a rollback that
+        fails too only mark the state failed."""
         spec, state = self.speculation, self.parts.state
-        if spec.pending:
-            try:
-                self._roll_back([self.layout.slices[index] for index in sorted(spec.stamps)])
-                self.parts.backend.release_savepoint()
-            except BaseException:
-                state.failed = True  # the parameters may hold the speculative values
-                if failure is None:
-                    raise
-            finally:
-                spec.forget()
-                self._spec_params.clear()
-                state.plan = None
-                state.stepped.clear()
-                self._queued.clear()
-                self._final.clear()
         if failure is not None:
-            raise failure
+            self.parts.backend.pipeline.release()
+        if not spec.pending:
+            return
+        try:
+            self._roll_back([self.layout.slices[index] for index in sorted(spec.stamps)])
+            self.parts.backend.release_savepoint()
+        except BaseException:
+            state.failed = True  # the parameters may hold the speculative values
+            if failure is None:
+                raise
+        finally:
+            spec.forget()
+            self._spec_params.clear()
+            state.plan = None
+            state.stepped.clear()
+            self._queued.clear()
+            self._final.clear()
 
     def _before_forward(self, module: torch.nn.Module) -> None:
         """``module`` is about to run forward: if speculative slices changed one of its
@@ -329,7 +333,7 @@ class Stepper:
             return
         overlap = self.parts.config.overlap
         if self._speculative:
-            self._grad_auto(layout, slot.index)
+            self._grad_speculative(layout, slot.index)
             return
         if overlap != "backward":
             self._prefetch(layout.slices_of[slot.index])
@@ -350,7 +354,7 @@ class Stepper:
             self._read_ahead = True
             self._prefetch(layout.slices[::-1])
 
-    def _grad_auto(self, layout: Layout, index: int) -> None:
+    def _grad_speculative(self, layout: Layout, index: int) -> None:
         """Speculation: hand the worker the slices this gradient makes ready, when this
         step speculates and this is the step's last backward pass; else read ahead."""
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
