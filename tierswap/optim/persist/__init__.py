@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from tierswap.optim.persist._arrays import create_arrays, restore_params
 from tierswap.optim.persist._backend import StateBackend
-from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters
+from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters, same_values
 from tierswap.optim.persist._commit import commit, drain_writes, final_commit
 from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
 from tierswap.optim.persist._parts import OptimizerParts
@@ -46,6 +46,7 @@ from tierswap.optim.persist._torch_format import load_state_dict, state_dict
 __all__ = [
     "hyper_parameters",
     "restore_params",
+    "same_values",
     "AUTO_SHARE",
     "CommitClock",
     "OptimizerParts",

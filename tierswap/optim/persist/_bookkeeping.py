@@ -12,7 +12,7 @@ import torch
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.plan import Slot, StepPlan
 
-__all__ = ["StepState", "clone_state", "hyper_parameters"]
+__all__ = ["StepState", "clone_state", "hyper_parameters", "same_values"]
 
 
 @dataclasses.dataclass
@@ -96,6 +96,18 @@ _NOT_HYPER = frozenset(
 def hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
     """What a commit stores of a param group: its hyper-parameters (also for comparisons)."""
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Equality of nested dicts, lists and tensors (``==`` is ambiguous on tensors): how
+    hyper-parameters are compared."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def clone_state(value: Any) -> Any:

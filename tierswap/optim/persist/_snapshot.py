@@ -18,12 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tierswap.errors import ConfigError
 from tierswap.optim.distributed import check_same_step, rank_swap_dir
 from tierswap.optim.persist._backend import META_KEY, StateBackend, resolve_swap_dir
-from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters
+from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters, same_values
 from tierswap.optim.persist._commit import commit
 from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.store import (
@@ -104,18 +102,7 @@ def _needs_commit(
         return True
     # hyper-parameters changed since (an LR scheduler steps after the optimizer's commit)
     current = [hyper_parameters(g) for g in groups]
-    return not _same(backend.load_small()["groups"], current)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equality of nested dicts, lists and tensors (``==`` is ambiguous on tensors)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+    return not same_values(backend.load_small()["groups"], current)
 
 
 def reference(result: SnapshotResult, steps: int) -> dict[str, Any]:

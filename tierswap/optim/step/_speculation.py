@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import xxhash
 
+from tierswap.optim.persist import same_values
 from tierswap.optim.plan import Slice, local_tensor
 
 __all__ = ["Speculation", "Stamp", "same_groups"]
@@ -69,20 +70,7 @@ def _digest(grad: torch.Tensor, start: int, stop: int) -> int:
 
 def same_groups(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> list[bool]:
     """Per group: whether ``a``'s and ``b``'s hyper-parameters are equal (tensors by value)."""
-    return [_same(x, y) for x, y in zip(a, b, strict=False)] + [False] * abs(len(a) - len(b))
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key, x in a.items():
-        y = b[key]
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            if not (torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
+    return [same_values(x, y) for x, y in zip(a, b, strict=False)] + [False] * abs(len(a) - len(b))
 
 
 class Speculation:
