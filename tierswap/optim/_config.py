@@ -30,7 +30,8 @@ class SwapConfig:
     (:mod:`tierswap.optim.persist._commit_clock`), ``N`` every N steps, ``0`` only on
     ``commit()`` and at ``close()``. ``state_precision`` and
     ``master`` choose the compact formats of :mod:`tierswap.optim.formats` (``"fp32"``:
-    exact, the default).
+    exact, the default). ``offload_parameters`` streams the parameters too
+    (:mod:`tierswap.optim.stream`).
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
@@ -45,6 +46,7 @@ class SwapConfig:
     resume_from: str | os.PathLike[str] | None = None
     state_precision: StatePrecision = "fp32"
     master: MasterFormat = "fp32"
+    offload_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -68,6 +70,7 @@ class SwapConfig:
             raise ConfigError(f"accumulation_steps={self.accumulation_steps!r} must be an int >= 1")
         check_precision(self.state_precision)
         check_master(self.master)
+        self._check_offload()
         if self.resume_from is not None:
             if self.swap_dir is None:
                 raise ConfigError(
@@ -76,6 +79,23 @@ class SwapConfig:
             object.__setattr__(self, "resume", True)
         if self.resume and self.swap_dir is None:
             raise ConfigError("resume=True needs swap_dir: the folder of the run to resume")
+
+    def _check_offload(self) -> None:
+        """``offload_parameters`` with the schedules and formats it supports so far."""
+        if not isinstance(self.offload_parameters, bool):
+            raise ConfigError(f"offload_parameters={self.offload_parameters!r} must be a bool")
+        if not self.offload_parameters:
+            return
+        if self.overlap not in ("auto", None):
+            raise ConfigError(
+                f"offload_parameters=True steps after backward: overlap={self.overlap!r} is not "
+                "supported with it; use overlap='auto' (the default) or None"
+            )
+        if self.master == "remainder":
+            raise ConfigError(
+                "offload_parameters=True does not support master='remainder' yet; use "
+                "master='fp32' (the default)"
+            )
 
     @classmethod
     def from_keywords(cls, **settings: Any) -> SwapConfig:

@@ -52,6 +52,7 @@ from tierswap.optim.step import (
     remove_grad_hooks,
     step_allocations,
 )
+from tierswap.optim.stream import ParameterStream
 from tierswap.store import Progress, SnapshotResult, StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -64,9 +65,10 @@ class SwapOptimizer(torch.optim.Optimizer):
     Parameters
     ----------
     params:
-        Parameters or param groups, as for any torch optimizer. A param group may name its own
-        ``"optimizer_class"`` (e.g. ``torch.optim.Muon`` for hidden matrices beside AdamW); it
-        takes its hyper-parameters from itself, then from that class's defaults.
+        Parameters or param groups, as for any torch optimizer, or the model itself (its
+        ``named_parameters()``; ``offload_parameters`` needs it). A param group may name its
+        own ``"optimizer_class"`` (e.g. ``torch.optim.Muon`` for hidden matrices beside
+        AdamW); it takes its hyper-parameters from itself, then from that class's defaults.
     optimizer_class:
         The torch optimizer to run (``torch.optim.AdamW``, ``SGD``, ``Muon``, ``Adafactor``,
         ...). Per-element ones are stepped in slices that may cut parameters; those whose math
@@ -136,6 +138,16 @@ class SwapOptimizer(torch.optim.Optimizer):
         stores the parameter and a 16-bit remainder instead, which rebuild the fp32 master
         exactly (the parameter is then rounded half up, not half to even). Other parameters
         ignore it.
+    offload_parameters:
+        Stream the parameters too, for a model whose parameters do not fit (``params`` must be
+        the model): between uses a parameter holds no memory (its shape, dtype and identity
+        stay); each module's parameters are read from the swap space just before its forward
+        and again when backward reaches it, and freed after; the step updates them there.
+        ``model.state_dict()`` reads them; :meth:`close` gives them back to the model. Bitwise
+        equal to the plain optimizer. So far: gradients stay in memory until the step, the
+        step runs after backward (no speculation), ``master="remainder"`` and
+        ``add_param_group`` are refused, and a parameter must be used inside the forward of a
+        module that owns it. ``docs/optimizer.md``, "Streaming parameters".
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -157,6 +169,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         resume_from: str | os.PathLike[str] | None = None,
         state_precision: StatePrecision = "fp32",
         master: MasterFormat = "fp32",
+        offload_parameters: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
@@ -164,9 +177,14 @@ class SwapOptimizer(torch.optim.Optimizer):
             policy=policy, durable=durable, commit_every=commit_every, resume=resume,
             overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
             state_precision=state_precision, master=master,
+            offload_parameters=offload_parameters,
         )  # fmt: skip
         check_class(optimizer_class)
-        self._setup(optimizer_class(own_defaults(params), **optimizer_kwargs), config)
+        model = params if isinstance(params, torch.nn.Module) else None
+        if model is not None:
+            params = model.named_parameters()
+        inner = optimizer_class(own_defaults(params), **optimizer_kwargs)
+        self._setup(inner, config, model)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
@@ -191,7 +209,18 @@ class SwapOptimizer(torch.optim.Optimizer):
         return swap
 
     # -- construction ---------------------------------------------------------------------
-    def _setup(self, inner: torch.optim.Optimizer, config: SwapConfig) -> None:
+    def _setup(
+        self,
+        inner: torch.optim.Optimizer,
+        config: SwapConfig,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        if config.offload_parameters and model is None:
+            raise ConfigError(
+                "offload_parameters=True needs the model, whose modules' hooks read the "
+                "parameters: SwapOptimizer(model, torch.optim.AdamW, ..., "
+                "offload_parameters=True)"
+            )
         self._ready = False  # torch's constructor calls add_param_group before the rest exists
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
@@ -223,8 +252,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             optimizer_name=type(inner).__name__,
         )  # fmt: skip
         self._stepper = Stepper(self._parts)
+        self._stream: ParameterStream | None = None  # offload_parameters: set once started
         self._start_or_close(config.resume)
         self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
+        if model is not None and config.offload_parameters:
+            self._stream = ParameterStream(self._parts, model)
+            self._stream.start()
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
@@ -327,6 +360,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         chunk = meta.get("chunk_bytes")
         if chunk and chunk != layout.chunk_bytes:
             self._parts.layout = self._plan(layout.slots, layout.host_budget, chunk)
+        if self._stream is not None:
+            self._stream.reset()  # the masters change: parameters holding values are stale
         persist.restore_commit(self._parts, saved_groups=saved_groups, small=small)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -337,6 +372,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._settle()
         if self._config.resume and self._state.steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
+        if self._config.offload_parameters:
+            raise ConfigError("add_param_group with offload_parameters=True is not supported")
         super().add_param_group(param_group)
         layout = self._layout
         try:
@@ -361,6 +398,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         With ``overlap="forward"`` the slices left are handed to a worker and this returns at
         once; they step, in forward order, while the next forward pass runs.
         """
+        if self._stream is not None:
+            self._stream.step_begins()
         self._stepper.end_speculation()
         self._adopt_direct_state()
         loss = None
@@ -513,6 +552,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             "overlap": self._config.overlap,
             **self._stepper.speculation.stats(self._state.steps),
         }
+        if self._stream is not None:
+            stats["parameters"] = self._stream.stats()
         return stats
 
     def close(self) -> None:
@@ -537,7 +578,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         try:
             persist.final_commit(self._parts)
         finally:  # the lock and the store are released even when the commit fails
-            self._finalizer()
+            try:
+                if self._stream is not None:  # the model gets its parameters' values back
+                    self._stream.close()
+            finally:
+                self._finalizer()
         if failure is not None:
             raise failure
 

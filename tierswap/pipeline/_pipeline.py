@@ -521,13 +521,18 @@ class Pipeline:
             self._staging.wait_landing()
         self._disk.raise_errors()
 
-    def release(self) -> None:
+    def release(self, names: Iterable[Hashable] | None = None) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
-        then not stepped)."""
-        if self._staging is not None:
-            self._staging.drop_all()
-        for name in list(self._reading):
-            self._drop_reading(name)
+        then not stepped): all of them, or those of the jobs ``names``."""
+        if names is None:
+            if self._staging is not None:
+                self._staging.drop_all()
+            for name in list(self._reading):
+                self._drop_reading(name)
+            return
+        for name in names:
+            if name in self._reading:
+                self._drop_reading(name)
 
     def _drop_reading(self, name: Hashable) -> None:
         if self._staging is not None:

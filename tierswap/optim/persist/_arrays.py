@@ -53,9 +53,10 @@ def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> 
     for piece in parts.layout.slices:
         writes: dict[Region, torch.Tensor] = {}
         for seg in piece.segments:
-            slot, values = seg.slot, flat(seg.slot.param)[seg.start : seg.stop]
+            slot = seg.slot
             if slot.index not in chosen:
                 continue
+            values = flat(slot.param)[seg.start : seg.stop]
             if slot.has_master and masters:
                 writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, values)
             if slot.persists_param:

@@ -69,6 +69,8 @@ def restore_commit(
         for piece in layout.slices:  # a slice at a time: the transient stays one slice
             for seg in piece.segments:
                 slot = seg.slot
+                if slot.streamed:  # its master is its value: read before each use
+                    continue
                 values = backend.read_region(Region(slot.restore_key, seg.start, seg.stop))
                 flat(slot.param)[seg.start : seg.stop].copy_(values)
 

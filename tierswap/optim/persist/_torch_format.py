@@ -173,7 +173,8 @@ def replace_states(parts: OptimizerParts, states: list[tuple[Slot, dict[str, Any
                 names[slot.index].append(name)
             else:
                 smalls[slot.index][name] = value
-        if slot.has_master:  # on the host: all masters are held until the put ends
+        if slot.has_master and not slot.streamed:  # on the host until the put ends
+            # (a streamed parameter holds no values: its master is kept as it is)
             tensors[slot.master_key] = master_of(slot, slot.local)
         if slot.remainder:  # the parameter the zero remainder belongs to
             tensors[slot.param_key] = slot.local.detach().to("cpu")

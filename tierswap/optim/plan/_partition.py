@@ -90,6 +90,9 @@ class Slot:
     moment, or in another dtype) is kept as torch makes it. ``remainder``
     is set for a bf16 parameter under ``master="remainder"``: its master is stored as the int16
     remainder under :attr:`master_key` and the parameter itself under :attr:`param_key`.
+    ``streamed`` is set under ``offload_parameters``: the parameter holds no memory between
+    uses, so its master (``has_master`` is set) is the one copy of its values, which the step
+    updates and :mod:`~tierswap.optim.stream` reads into the parameter before each use.
     """
 
     index: int
@@ -103,6 +106,7 @@ class Slot:
     precision: StatePrecision = "fp32"
     remainder: bool = False
     state_names: tuple[str, ...] = ()  # the names of the per-element state, as probed
+    streamed: bool = False  # offload_parameters: the master is the parameter's only copy
 
     @property
     def whole(self) -> bool:

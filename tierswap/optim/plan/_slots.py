@@ -19,7 +19,7 @@ from tierswap.optim.plan._names import key_prefix
 from tierswap.optim.plan._partition import Slot, local_tensor, master_dtype
 from tierswap.optim.plan._probe import probe_group, whole_state
 
-__all__ = ["group_slots", "inner_for"]
+__all__ = ["check_streamable", "group_slots", "inner_for"]
 
 
 def group_slots(
@@ -48,7 +48,10 @@ def group_slots(
             )
         cut, state = probes[dtype]
         whole = None if cut else whole_state(optimizer_class, group, param, name)
-        has_master = dtype != param.dtype or param.device.type != compute_device.type
+        streamed = config.offload_parameters
+        if streamed:
+            check_streamable(param, name)
+        has_master = streamed or dtype != param.dtype or param.device.type != compute_device.type
         key = key_prefix(name) if name is not None else ""
         slots.append(
             Slot(
@@ -56,9 +59,29 @@ def group_slots(
                 tuple(state.values()), name, key, state_names=tuple(state),
                 whole_state=whole, precision=config.state_precision,
                 remainder=config.master == "remainder" and param.dtype == torch.bfloat16,
+                streamed=streamed,
             )
         )  # fmt: skip
     return slots
+
+
+def check_streamable(param: torch.Tensor, name: str | None) -> None:
+    """Raise ``ConfigError`` unless ``param`` can hold no memory between uses: a floating
+    point tensor (not a DTensor shard) that owns its storage whole, so that freeing the storage
+    frees nothing else and refilling it restores every view autograd saved."""
+    what = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
+    if local_tensor(param) is not param:
+        raise ConfigError(f"offload_parameters=True does not stream sharded parameters ({what})")
+    if not param.dtype.is_floating_point:
+        raise ConfigError(
+            f"offload_parameters=True streams floating point parameters; {what} is {param.dtype}"
+        )
+    storage = param.untyped_storage()
+    if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+        raise ConfigError(
+            f"{what} is a view into a larger buffer (a flat parameter, or storage shared with "
+            "another tensor); offload_parameters=True needs each parameter to own its memory"
+        )
 
 
 def inner_for(

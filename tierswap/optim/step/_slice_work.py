@@ -442,7 +442,8 @@ def _collect(
     if slot.remainder:
         writes.update(_split_master(plan, seg, target, tensors))
     elif slot.has_master:
-        flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
+        if not slot.streamed:  # a streamed parameter is read from its master before each use
+            flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         writes[_region(slot.master_key, seg)] = target.view(-1)
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)

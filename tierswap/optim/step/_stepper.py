@@ -86,12 +86,14 @@ class Stepper:
         self._queued: set[int] = set()  # slices handed to the worker in backward
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
         #: The speculative slices and the schedule's record. Speculation needs a store
-        #: that keeps versions (durable), state a slice owns whole (not 8-bit scales), and
-        #: gradients final in backward (not DDP's, averaged when backward ends).
+        #: that keeps versions (durable), state a slice owns whole (not 8-bit scales),
+        #: gradients final in backward (not DDP's, averaged when backward ends), and
+        #: parameters of the model's own (streamed ones are read in backward: not yet).
         self.speculation = Speculation(
             self._speculative
             and config.durable
             and config.state_precision != "8bit"
+            and not config.offload_parameters
             and not reduced_after_backward(parts.layout.slots)
         )
         #: Backward passes per step (learnt when speculating).

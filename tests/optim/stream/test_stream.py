@@ -1,0 +1,290 @@
+"""Parameter streaming (``offload_parameters=True``): the parameters hold no memory between
+uses, each module's come back for its forward and its backward, and training is bitwise the
+training of the plain optimizer (torch's AdamW in memory, or a SwapOptimizer that does not
+stream), with clipping, tied weights, activation checkpointing, accumulation and resumes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
+from tests.store.faults import inject, remove
+from tierswap import offload
+from tierswap.errors import ConfigError
+from tierswap.optim import SwapOptimizer
+
+KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
+
+
+class Net(torch.nn.Module):
+    """Linear layers with a LayerNorm between them, and a parameter of the root module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.out = torch.nn.Linear(64, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.norm(self.inp(x)))
+        return self.out(torch.tanh(self.mid(h))) * self.scale
+
+
+def _pair(seed: int = 0) -> tuple[Net, Net]:
+    torch.manual_seed(seed)
+    model = Net()
+    return model, copy.deepcopy(model)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float) -> None:
+    model(batch_for_step(step)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+
+
+def _held(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters hold now."""
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def _same_state_dicts(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key, value in sa.items():
+        assert torch.equal(value, sb[key]), key
+
+
+@pytest.mark.parametrize("overlap", ["auto", None])
+@pytest.mark.parametrize("host_budget", [16384, None], ids=["streamed", "resident"])
+@pytest.mark.parametrize("clip", [0.05, 1000.0], ids=["clip-always", "clip-never"])
+def test_training_is_bitwise_torch_adamw(
+    tmp_path: Path, overlap: str | None, host_budget: int | None, clip: float
+) -> None:
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=host_budget, overlap=overlap,
+        offload_parameters=True, commit_every=2, **KWARGS,
+    )  # fmt: skip
+    assert _held(model) == 0  # the store holds the values
+    fetched = []
+    for step in range(5):
+        _train(ref, plain, step, clip)
+        _train(model, opt, step, clip)
+        assert _held(model) == 0
+        _same_state_dicts(ref, model)  # model.state_dict() reads the streamed values
+        fetched.append(opt.tier_stats()["parameters"]["fetched_bytes"])
+    stats = opt.tier_stats()["parameters"]
+    assert stats["streamed"] == len(list(model.parameters()))
+    assert stats["live_bytes"] == 0
+    if host_budget is None:  # slices stay resident from their second step: copied from there
+        assert fetched[0] > 0
+        assert fetched[-1] == fetched[1]
+        assert stats["copied_bytes"] > 0
+    else:
+        assert opt.placement == {}
+        assert stats["copied_bytes"] == 0
+        assert fetched[-1] > fetched[0] > 0
+    opt.close()
+    assert_same_params(ref, model)  # close() gives the model its values back
+    assert _held(model) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_only_the_running_module_holds_its_parameters(tmp_path: Path) -> None:
+    _, model = _pair()
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    seen: list[tuple[str, int, int]] = []  # module, bytes it owns, bytes all params hold
+
+    def record(module: torch.nn.Module, *_: object) -> None:
+        owned = sum(p.untyped_storage().nbytes() for p in module.parameters(recurse=False))
+        seen.append((type(module).__name__, owned, _held(model)))
+
+    for child in (model.inp, model.norm, model.mid, model.out):
+        child.register_forward_pre_hook(record)  # after the stream's own
+    for step in range(3):
+        seen.clear()
+        _train(model, opt, step, 1.0)
+        for name, owned, held in seen:
+            # the module's own parameters, and the root's scale (its forward runs around them)
+            assert owned > 0, name
+            assert held == owned + 16, (name, owned, held)
+    largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
+    assert opt.tier_stats()["parameters"]["peak_bytes"] == largest + 16
+    opt.close()
+
+
+def test_reads_ahead_the_next_modules_after_the_first_step(tmp_path: Path) -> None:
+    _, model = _pair()
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=65536,
+        policy="lru", offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    assert opt.placement == {}  # every slice streams: the parameters are read from disk
+    ahead: list[int] = []
+    model.mid.register_forward_pre_hook(lambda *_: ahead.append(len(opt._stream._ahead)))
+    for step in range(3):
+        _train(model, opt, step, 1.0)
+    assert ahead[0] == 0  # the first iteration records the order
+    assert all(n > 0 for n in ahead[1:]), ahead
+    opt.close()
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(checkpointing: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    if checkpointing != "none":
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+        )
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non-reentrant", "reentrant"])
+def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
+    tmp_path: Path, checkpointing: str
+) -> None:
+    ref, model = _gpt2(checkpointing), _gpt2(checkpointing)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: first and last module
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", host_budget=16384)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=16384,
+        offload_parameters=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(0, 97, (2, 16), generator=gen)
+        for m, o in ((ref, plain), (model, opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+            o.zero_grad()
+        assert _held(model) == 0
+    _same_state_dicts(ref, model)
+    plain.close()
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_bf16_parameters_match_the_optimizer_that_does_not_stream(tmp_path: Path) -> None:
+    ref, model = make_models(dtype=torch.bfloat16)
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=16384,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    for step in range(4):
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(step, torch.bfloat16)).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    _same_state_dicts(ref, model)
+    plain.close()
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_accumulation_and_evaluation_between_steps(tmp_path: Path) -> None:
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    evaluated: dict[bool, torch.Tensor] = {}
+    for step in range(3):
+        for m, o in ((ref, plain), (model, opt)):
+            for half in range(2):  # two backward passes per step
+                m(batch_for_step(10 * step + half)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+            with torch.no_grad():
+                evaluated[m is model] = m(batch_for_step(99))
+        assert _held(model) == 0
+        assert torch.equal(evaluated[True], evaluated[False])
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_a_resumed_run_continues_bitwise(tmp_path: Path) -> None:
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    settings = {"swap_dir": tmp_path, "host_budget": 16384, "offload_parameters": True}
+    opt = SwapOptimizer(model, torch.optim.AdamW, **settings, **KWARGS)
+    for step in range(3):
+        _train(ref, plain, step, 0.5)
+        _train(model, opt, step, 0.5)
+    opt.close()
+    _, fresh = _pair(seed=7)  # other initial values: the resume replaces them
+    opt = SwapOptimizer(fresh, torch.optim.AdamW, resume=True, **settings, **KWARGS)
+    assert _held(fresh) == 0
+    _same_state_dicts(ref, fresh)
+    for step in range(3, 5):
+        _train(ref, plain, step, 0.5)
+        _train(fresh, opt, step, 0.5)
+    opt.close()
+    assert_same_params(ref, fresh)
+
+
+def test_a_failed_read_raises_and_leaves_the_parameters_free(tmp_path: Path) -> None:
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    _train(ref, plain, 0, 1.0)
+    _train(model, opt, 0, 1.0)
+    store = opt._backend.store
+    inject(store, fail={"read_file": {1}})
+    with pytest.raises(OSError, match="Input/output error"):
+        model(batch_for_step(1))
+    remove(store)
+    assert _held(model) == 0
+    opt.zero_grad()
+    for step in range(1, 3):  # the same model trains on, exactly
+        _train(ref, plain, step, 1.0)
+        _train(model, opt, step, 1.0)
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
+    _, model = _pair()
+    with pytest.raises(ConfigError, match="needs the model"):
+        SwapOptimizer(model.parameters(), torch.optim.AdamW, offload_parameters=True)
+    with pytest.raises(ConfigError, match="needs the model"):
+        offload(torch.optim.AdamW(model.parameters()), offload_parameters=True)
+    for overlap in ("backward", "forward"):
+        with pytest.raises(ConfigError, match=f"overlap='{overlap}'"):
+            SwapOptimizer(model, torch.optim.AdamW, overlap=overlap, offload_parameters=True)
+    with pytest.raises(ConfigError, match="remainder"):
+        SwapOptimizer(model, torch.optim.AdamW, master="remainder", offload_parameters=True)
+    with pytest.raises(ConfigError, match="must be a bool"):
+        SwapOptimizer(model, torch.optim.AdamW, offload_parameters="yes")  # type: ignore[arg-type]
+    flat = torch.nn.Parameter(torch.zeros(10))
+    viewed = TinyNet()
+    viewed.unused = torch.nn.Parameter(flat.data[:5])  # a view into a larger buffer
+    with pytest.raises(ConfigError, match="view into a larger buffer"):
+        SwapOptimizer(viewed, torch.optim.AdamW, offload_parameters=True)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
+    opt = SwapOptimizer(model, torch.optim.AdamW, swap_dir=tmp_path, offload_parameters=True)
+    with pytest.raises(ConfigError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.close()

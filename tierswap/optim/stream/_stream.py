@@ -1,0 +1,356 @@
+"""Parameter streaming: each module's parameters hold memory only while the module runs.
+
+With ``offload_parameters=True`` a parameter's values live in the swap space, as the fp32
+master its slot keeps (:attr:`~tierswap.optim.plan.Slot.streamed`): the step reads it with
+the slice's state, updates it and writes it back, and nothing else holds it. The
+:class:`ParameterStream` reads a module's parameters into their own (refilled) memory just
+before the module's forward, frees them after it, reads them again when backward reaches the
+module (a hook on the module's outputs fires before the module's backward runs) and frees
+each one as soon as its gradient is final, or when backward ends.
+
+Where a value comes from: a slice the policy keeps resident (host or device tier) holds the
+newest master, copied from there; any other slice's master is read from the store through
+the optimizer's :class:`~tierswap.pipeline.Pipeline` (one job per slice segment, within the
+host budget, in order after the write-behinds that overlap it). The order in which modules
+are used is recorded over the first iteration (up to the first ``step()``); later uses read
+the next modules' parameters ahead, as the lookahead policy does for the step's slices.
+Reads started ahead are dropped when a step begins, since the step rewrites the masters.
+
+Not yet: the gradients stay in ``param.grad`` until the step (as without streaming), the
+materialized parameters are not counted in the device budget, and parameters used outside the
+forward of the modules that own them are not read for that use.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from tierswap.io import footprint
+from tierswap.optim.persist import OptimizerParts
+from tierswap.optim.plan import Segment, Slot, master_dtype
+from tierswap.optim.stream._storage import allocate, free, nbytes
+from tierswap.pipeline import Job, Region
+
+__all__ = ["PREFETCH_MODULES", "ParameterStream"]
+
+#: Modules whose parameters are read ahead of the one in use.
+PREFETCH_MODULES = 2
+
+
+class ParameterStream:
+    """Streams the streamed parameters of ``model`` (slots the optimizer's layout marks
+    :attr:`~tierswap.optim.plan.Slot.streamed`) through the optimizer's ``parts``.
+
+    :meth:`start` frees them and hooks the modules; :meth:`close` removes the hooks and reads
+    every parameter back. Called from the training thread (forward, ``step()``) and from the
+    thread autograd runs backward on, one at a time.
+    """
+
+    def __init__(self, parts: OptimizerParts, model: torch.nn.Module) -> None:
+        self.parts = parts
+        slot_of = parts.layout.slot_of
+        #: Each module that owns streamed parameters, with their slot indices.
+        self._modules: list[tuple[torch.nn.Module, list[int]]] = []
+        for module in model.modules():
+            owned = [
+                slot_of[id(p)].index
+                for p in module.parameters(recurse=False)
+                if id(p) in slot_of and slot_of[id(p)].streamed
+            ]
+            if owned:
+                self._modules.append((module, owned))
+        self._model = weakref.ref(model)
+        self._live: set[int] = set()  # slots whose parameter holds its values now
+        self._users: Counter[int] = Counter()  # forwards running that use each slot
+        self._in_backward = False
+        self._seen_in_backward: set[int] = set()  # modules backward has reached
+        self._order: list[int] = []  # modules in the order of their uses, recorded once
+        self._recording = True
+        self._cursor = 0
+        self._ahead: set[Any] = set()  # names of the jobs read ahead
+        self._handles: list[Any] = []
+        self.fetched_bytes = 0  # read from the store
+        self.copied_bytes = 0  # copied from resident slices
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Free every streamed parameter (the store holds its master) and hook the modules."""
+        for index in {i for _, owned in self._modules for i in owned}:
+            free(self._slot(index).param)
+        ref = weakref.ref(self)
+        for position, (module, owned) in enumerate(self._modules):
+            self._handles += [
+                module.register_forward_pre_hook(functools.partial(_before, ref, position)),
+                module.register_forward_hook(
+                    functools.partial(_after, ref, position), always_call=True
+                ),
+            ]
+            for index in owned:
+                param = self._slot(index).param
+                if param.requires_grad:
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            functools.partial(_grad_final, ref, index)
+                        )
+                    )
+        model = self._model()
+        if model is not None:
+            self._handles.append(
+                model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_filled_state_dict, ref)
+                )
+            )
+
+    def close(self) -> None:
+        """Remove the hooks and read every parameter back into its memory (the model is whole
+        again, as before the optimizer took it)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.drop_ahead()
+        for _, owned in self._modules:
+            self._fetch(owned)
+
+    # -- the hooks' events -------------------------------------------------------------------
+    def before_forward(self, position: int) -> None:
+        """Module ``position`` is about to run forward: its parameters must hold values."""
+        owned = self._modules[position][1]
+        self._used(position)
+        self._fetch(owned)
+        self._users.update(owned)
+
+    def after_forward(self, position: int, output: Any) -> None:
+        """Module ``position`` ran forward: free its parameters unless another running forward
+        or backward (a checkpoint's recomputation) uses them; hook its outputs so that backward
+        reads them again before it reaches the module."""
+        owned = self._modules[position][1]
+        self._users.subtract(owned)
+        if not self._in_backward:
+            self._free([i for i in owned if self._users[i] <= 0])
+        if torch.is_grad_enabled():
+            ref = weakref.ref(self)
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                    hook = functools.partial(_before_backward, ref, position)
+                    tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+
+    def before_backward(self, position: int) -> None:
+        """Backward reached an output of module ``position``: read its parameters (once per
+        backward pass); the first call of a pass schedules :meth:`end_backward`."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if position in self._seen_in_backward:
+            return
+        self._seen_in_backward.add(position)
+        self._used(position)
+        self._fetch(self._modules[position][1])
+
+    def grad_final(self, index: int) -> None:
+        """The gradient of slot ``index``'s parameter is final: backward needs it no more."""
+        if self._users[index] <= 0:
+            self._free([index])
+
+    def end_backward(self) -> None:
+        """Backward ended: free what it read (frozen parameters, which have no gradient
+        hook, and those whose gradient never came)."""
+        self._in_backward = False
+        self._seen_in_backward.clear()
+        self._free([i for i in list(self._live) if self._users[i] <= 0])
+
+    def step_begins(self) -> None:
+        """A step will rewrite the masters: drop reads started ahead; the first step ends the
+        recording of the order of uses."""
+        self.drop_ahead()
+        self._recording = False
+        self._cursor = 0
+
+    def drop_ahead(self) -> None:
+        """Drop the reads started ahead that no use consumed."""
+        if self._ahead:
+            self.parts.backend.pipeline.release(self._ahead)
+            self._ahead.clear()
+
+    def reset(self) -> None:
+        """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
+        self.drop_ahead()
+        self._free(list(self._live))
+
+    def stats(self) -> dict[str, Any]:
+        """What streaming did: parameters streamed, bytes read from the store and copied from
+        resident slices since the start, bytes held now and at most."""
+        return {
+            "streamed": sum(len(owned) for _, owned in self._modules),
+            "fetched_bytes": self.fetched_bytes,
+            "copied_bytes": self.copied_bytes,
+            "live_bytes": self.live_bytes,
+            "peak_bytes": self.peak_bytes,
+        }
+
+    # -- reading and freeing -----------------------------------------------------------------
+    def _slot(self, index: int) -> Slot:
+        return self.parts.layout.slots[index]
+
+    def _segments(self, slot: Slot) -> list[tuple[int, Segment]]:
+        """The segments of ``slot``, each with the index of the slice that holds it."""
+        return [
+            (piece.index, seg)
+            for piece in self.parts.layout.slices_of[slot.index]
+            for seg in piece.segments
+            if seg.slot is slot
+        ]
+
+    def _job(self, slot: Slot, seg: Segment) -> Job:
+        """The read of ``seg``'s master (a job of the pipeline, named apart from the slices')."""
+        region = Region(slot.master_key, seg.start, seg.stop)
+        size = footprint(region.numel * master_dtype(slot.param).itemsize)
+        return Job(("param", slot.index, seg.start), (region,), size)
+
+    def _read_into(self, targets: dict[int, torch.Tensor]) -> None:
+        """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's
+        master: copied from the resident slices, read from the store for the others."""
+        pipeline = self.parts.backend.pipeline
+        jobs: list[Job] = []
+        into: dict[Any, torch.Tensor] = {}
+        for index, target in targets.items():
+            slot = self._slot(index)
+            for piece, seg in self._segments(slot):
+                kept = pipeline.resident(piece)
+                if kept is not None:
+                    value = kept[Region(slot.master_key, seg.start, seg.stop)]
+                    target[seg.start : seg.stop].copy_(value)
+                    self.copied_bytes += value.numel() * value.element_size()
+                else:
+                    jobs.append(self._job(slot, seg))
+                    into[jobs[-1].name] = target[seg.start : seg.stop]
+        self._ahead.difference_update(into)
+
+        def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+            into[job.name].copy_(tensors[job.reads[0]])
+            return {}
+
+        with torch.no_grad():
+            pipeline.run(jobs, work)
+        self.fetched_bytes += sum(t.numel() * t.element_size() for t in into.values())
+
+    def _fetch(self, indices: list[int]) -> None:
+        """Give the parameters of slots ``indices`` that hold no values their values."""
+        missing = [i for i in indices if i not in self._live]
+        if not missing:
+            return
+        try:
+            self._read_into({i: allocate(self._slot(i).param) for i in missing})
+        except BaseException:
+            for index in missing:
+                free(self._slot(index).param)
+            raise
+        self._live.update(missing)
+        self.live_bytes += sum(nbytes(self._slot(i).param) for i in missing)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _free(self, indices: Iterable[int]) -> None:
+        for index in indices:
+            if index in self._live:
+                param = self._slot(index).param
+                free(param)
+                self._live.discard(index)
+                self.live_bytes -= nbytes(param)
+
+    # -- the order of uses -------------------------------------------------------------------
+    def _used(self, position: int) -> None:
+        """Module ``position`` is used now: record it (first iteration), or find it in the
+        recorded order and read the next modules' parameters ahead."""
+        if self._recording:
+            self._order.append(position)
+            return
+        order = self._order
+        try:
+            found = order.index(position, self._cursor)
+        except ValueError:
+            found = order.index(position) if position in order else -1
+        if found < 0:
+            return
+        self._cursor = found + 1
+        upcoming = order[self._cursor : self._cursor + PREFETCH_MODULES]
+        pipeline = self.parts.backend.pipeline
+        indices = [i for p in upcoming for i in self._modules[p][1] if i not in self._live]
+        jobs = [
+            self._job(self._slot(i), seg)
+            for i in dict.fromkeys(indices)
+            for piece, seg in self._segments(self._slot(i))
+            if pipeline.resident_tier(piece) is None
+        ]
+        if jobs:
+            pipeline.prefetch(jobs)
+            self._ahead.update(job.name for job in jobs)
+
+    def read_values(self, index: int) -> torch.Tensor:
+        """A CPU copy of slot ``index``'s parameter values (for a state dict of the model),
+        read without giving the parameter memory."""
+        param = self._slot(index).param
+        if index in self._live:
+            return param.detach().to("cpu", copy=True)
+        out = torch.empty(param.shape, dtype=param.dtype)
+        self._read_into({index: out.view(-1)})
+        return out
+
+    def names_of(self, model: torch.nn.Module) -> dict[str, int]:
+        """Each name ``model.state_dict()`` gives a streamed parameter -> its slot index."""
+        slot_of = self.parts.layout.slot_of
+        return {
+            name: slot_of[id(p)].index
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in slot_of and slot_of[id(p)].streamed
+        }
+
+
+# The hooks hold the stream weakly: a dropped optimizer leaves nothing behind in the model.
+def _before(ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.before_forward(position)
+
+
+def _after(
+    ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any, output: Any
+) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.after_forward(position, output)
+
+
+def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.before_backward(position)
+
+
+def _grad_final(ref: weakref.ref[ParameterStream], index: int, param: Any) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.grad_final(index)
+
+
+def _filled_state_dict(
+    ref: weakref.ref[ParameterStream],
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    """``model.state_dict()``: the streamed parameters' entries as CPU copies of their values."""
+    stream = ref()
+    if stream is None:
+        return
+    for name, index in stream.names_of(module).items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = stream.read_values(index)
