@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "CorruptionError",
     "FailedStepError",
+    "GradientOffloadedError",
     "InconsistentResumeError",
     "InvalidKeyError",
     "InvalidTensorError",
@@ -124,3 +125,9 @@ class NoCommitError(TierswapError, RuntimeError):
 class SavepointError(TierswapError, RuntimeError):
     """A store rollback that cannot return to the savepoint: none is set, or the key was put,
     created or deleted since (only region writes keep the versions they replace)."""
+
+
+class GradientOffloadedError(TierswapError, RuntimeError):
+    """Code read or changed the gradient of a parameter that ``offload_parameters`` keeps in
+    the swap space (``torch.nn.utils.clip_grad_norm_``, a ``GradScaler``, an in-place edit):
+    it would see nothing, so it is stopped."""

@@ -129,6 +129,34 @@ def test_prefetch_starts_reads_without_blocking(store) -> None:
     assert pipeline.held == 0
 
 
+def test_release_drops_only_the_named_reads(store) -> None:
+    pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
+    jobs = _jobs()
+    pipeline.prefetch(jobs[1:3])
+    pipeline.release([jobs[1].name, "never started"])
+    assert pipeline.held == 2 * CHUNK  # the other read goes on
+    pipeline.run(jobs[1:3], _double)
+    pipeline.drain()
+    assert store.stats()["reads"] == 2 + 2 + 2  # the dropped job's chunks read again
+
+
+def test_write_behind_copies_within_the_budget_and_orders_later_reads(store) -> None:
+    pipeline = Pipeline(store, budget=2 * CHUNK)
+    values = torch.full((2048,), 7.0)
+    pipeline.write_behind({Region("big", 0, 2048): values})
+    values.zero_()  # the caller's tensor is free again: a copy is written
+    seen: list[torch.Tensor] = []
+    pipeline.run([Job("read", (Region("big", 0, 2048),), 2 * CHUNK)], lambda job, t: (
+        seen.append(t[Region("big", 0, 2048)].clone()) or {}
+    ))  # fmt: skip
+    pipeline.drain()
+    assert torch.equal(seen[0], torch.full((2048,), 7.0))
+    assert pipeline.held == 0
+    with pytest.raises(BudgetError):  # larger than the budget
+        pipeline.write_behind({Region("big", 0, 4096): torch.zeros(4096)})
+    assert pipeline.held == 0
+
+
 def test_a_job_larger_than_the_budget_is_refused(store) -> None:
     pipeline = Pipeline(store, budget=CHUNK)
     with pytest.raises(BudgetError, match="does not fit"):

@@ -10,6 +10,8 @@ The package is grouped by job; data flows down (an import-linter contract holds 
   (:func:`offload`, :func:`swapped`, :func:`find_swap_optimizer`), ``_config`` (the settings)
   and :mod:`~tierswap.optim.distributed` (per-rank folders and checks);
 - :mod:`tierswap.optim.step`: how a step runs its slices, and when;
+- :mod:`tierswap.optim.stream`: the model's parameters and gradients in the swap space
+  (``offload_parameters=True``), read before each use;
 - :mod:`tierswap.optim.persist`: the swap folder, commits, resumes, state dicts, snapshots;
 - :mod:`tierswap.optim.plan`: slots, slices, layout: what is stepped in which pieces, where;
 - :mod:`tierswap.optim.formats`: compact state (bf16 and 8-bit moments, master remainders).

@@ -417,8 +417,48 @@ class SwapOptimizer(torch.optim.Optimizer):
     def grad_final(self, param: torch.Tensor) -> None:
         """Called by the post-accumulate-grad hook of ``param``: its gradient is final. Starts
         the reads of its slices, or with ``overlap="backward"`` steps the ones now ready
-        (:meth:`~tierswap.optim.step.Stepper.grad_final`)."""
+        (:meth:`~tierswap.optim.step.Stepper.grad_final`). With ``offload_parameters`` the
+        gradient first goes to the swap space (:meth:`~tierswap.optim.stream.ParameterStream.
+        grad_final`)."""
+        if self._stream is not None:
+            self._stream.grad_final(param)
         self._stepper.grad_final(param)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of every parameter as ``torch.nn.utils.clip_grad_norm_`` over
+        them does (same total norm, same factor, bitwise); returns the total norm.
+
+        With ``offload_parameters`` the gradients live in the swap space, so torch's function
+        would see none: this one takes the 2-norm of each gradient noted as backward finalized
+        it and scales the gradients as the next step reads them. Without it, it calls torch's
+        on the parameters (``foreach`` is passed on)."""
+        if self._stream is None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite, foreach
+            )
+        if self._state.grad_scales:
+            raise ConfigError(
+                "clip_grad_norm_ was already called for this step; with offload_parameters=True "
+                "clip once between backward and step()"
+            )
+        total = self._stream.total_norm(norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._state.grad_scales.append(factor)
+        return total
 
     def synchronize(self) -> None:
         """Wait until the last step is done, its writes included (the step returns while its
@@ -435,6 +475,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not set_to_none:
             self._settle()
         self._stepper.gradients_dropped()
+        self._state.grad_scales.clear()
+        if self._stream is not None:  # kept gradients are dropped, never zeroed in place
+            for slot in self._layout.slots:
+                if slot.keeps_grad:
+                    slot.param.grad = None
         super().zero_grad(set_to_none)
 
     def _settle(self) -> None:

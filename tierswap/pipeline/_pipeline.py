@@ -68,7 +68,7 @@ from tierswap.engine import (
     transfers_for,
 )
 from tierswap.errors import BudgetError
-from tierswap.io import gather
+from tierswap.io import footprint, gather
 from tierswap.pipeline._buffers import JobBuffers
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -555,6 +555,16 @@ class Pipeline:
         self.drain()  # waits for the writes, and raises the first that failed
         for name, tensors in self._resident.items():
             self._ledgers[self._resident_in[name][0]].count_moved(out=nbytes_of(tensors))
+
+    def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
+        """Write ``writes`` (on the host or the device) behind the caller, from copies in
+        pooled host buffers reserved in the host budget (waiting for write-behinds to free the
+        room): the caller may change or drop its tensors when this returns. A later read of
+        an overlapping region waits for the write; a failure is raised by :meth:`run` or
+        :meth:`drain`, as a job's write-behind is."""
+        nbytes = sum(footprint(t.numel() * t.element_size()) for t in writes.values())
+        if nbytes:
+            self._write_from_device(nbytes, writes)
 
     def _write_from_device(self, nbytes: int, tensors: dict[Region, torch.Tensor]) -> None:
         """Write a device-resident job's ``tensors`` (``nbytes`` reserved on the device)

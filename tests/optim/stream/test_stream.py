@@ -14,8 +14,9 @@ import torch
 from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
 from tests.store.faults import inject, remove
 from tierswap import offload
-from tierswap.errors import ConfigError
+from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.stream import OffloadedGradient
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
 
@@ -42,11 +43,22 @@ def _pair(seed: int = 0) -> tuple[Net, Net]:
     return model, copy.deepcopy(model)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float) -> None:
+def _clip(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clip as a user does: torch's function in memory, the optimizer's when it streams."""
+    if isinstance(opt, SwapOptimizer) and opt._stream is not None:
+        return opt.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float
+) -> torch.Tensor:
+    """One step with clipping; the total norm of the gradients."""
     model(batch_for_step(step)).square().mean().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    norm = _clip(model, opt, clip)
     opt.step()
     opt.zero_grad()
+    return norm
 
 
 def _held(model: torch.nn.Module) -> int:
@@ -62,7 +74,7 @@ def _same_state_dicts(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("overlap", ["auto", None])
-@pytest.mark.parametrize("host_budget", [16384, None], ids=["streamed", "resident"])
+@pytest.mark.parametrize("host_budget", [20480, None], ids=["streamed", "resident"])
 @pytest.mark.parametrize("clip", [0.05, 1000.0], ids=["clip-always", "clip-never"])
 def test_training_is_bitwise_torch_adamw(
     tmp_path: Path, overlap: str | None, host_budget: int | None, clip: float
@@ -76,8 +88,8 @@ def test_training_is_bitwise_torch_adamw(
     assert _held(model) == 0  # the store holds the values
     fetched = []
     for step in range(5):
-        _train(ref, plain, step, clip)
-        _train(model, opt, step, clip)
+        norm = _train(ref, plain, step, clip)
+        assert torch.equal(_train(model, opt, step, clip), norm)
         assert _held(model) == 0
         _same_state_dicts(ref, model)  # model.state_dict() reads the streamed values
         fetched.append(opt.tier_stats()["parameters"]["fetched_bytes"])
@@ -100,7 +112,7 @@ def test_training_is_bitwise_torch_adamw(
 def test_only_the_running_module_holds_its_parameters(tmp_path: Path) -> None:
     _, model = _pair()
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
     seen: list[tuple[str, int, int]] = []  # module, bytes it owns, bytes all params hold
@@ -162,9 +174,9 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
 ) -> None:
     ref, model = _gpt2(checkpointing), _gpt2(checkpointing)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied: first and last module
-    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", host_budget=16384)
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", host_budget=20480)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=16384,
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=20480,
         offload_parameters=True,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(3)
@@ -172,7 +184,7 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
         ids = torch.randint(0, 97, (2, 16), generator=gen)
         for m, o in ((ref, plain), (model, opt)):
             m(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            _clip(m, o, 0.5)
             o.step()
             o.zero_grad()
         assert _held(model) == 0
@@ -186,7 +198,7 @@ def test_bf16_parameters_match_the_optimizer_that_does_not_stream(tmp_path: Path
     ref, model = make_models(dtype=torch.bfloat16)
     plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=16384,
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=20480,
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
     for step in range(4):
@@ -204,7 +216,7 @@ def test_accumulation_and_evaluation_between_steps(tmp_path: Path) -> None:
     ref, model = _pair()
     plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
     evaluated: dict[bool, torch.Tensor] = {}
@@ -225,7 +237,7 @@ def test_accumulation_and_evaluation_between_steps(tmp_path: Path) -> None:
 def test_a_resumed_run_continues_bitwise(tmp_path: Path) -> None:
     ref, model = _pair()
     plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    settings = {"swap_dir": tmp_path, "host_budget": 16384, "offload_parameters": True}
+    settings = {"swap_dir": tmp_path, "host_budget": 20480, "offload_parameters": True}
     opt = SwapOptimizer(model, torch.optim.AdamW, **settings, **KWARGS)
     for step in range(3):
         _train(ref, plain, step, 0.5)
@@ -246,7 +258,7 @@ def test_a_failed_read_raises_and_leaves_the_parameters_free(tmp_path: Path) -> 
     ref, model = _pair()
     plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=16384,
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
     _train(ref, plain, 0, 1.0)
@@ -288,3 +300,62 @@ def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="add_param_group"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.close()
+
+
+def test_gradients_live_in_the_swap_space_and_torch_clipping_is_stopped(tmp_path: Path) -> None:
+    _, model = _pair()
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    model(batch_for_step(0)).square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(isinstance(g, OffloadedGradient) for g in grads)  # no gradient memory in RAM
+    assert opt.tier_stats()["parameters"]["kept_grad_bytes"] == sum(
+        p.numel() * 4 for p in model.parameters()
+    )
+    with pytest.raises(GradientOffloadedError, match=r"opt\.clip_grad_norm_\(max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ConfigError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type=1.0)
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(ConfigError, match="already called"):
+        opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # kept gradients are dropped, never zeroed in place
+    assert all(p.grad is None for p in model.parameters())
+    opt.close()
+
+
+def test_model_zero_grad_between_backward_passes_drops_the_kept_gradients(tmp_path: Path) -> None:
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    for step in range(3):
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(10 * step)).square().mean().backward()
+            m.zero_grad()  # the model's, not the optimizer's: the next pass starts afresh
+            m(batch_for_step(10 * step + 1)).square().mean().backward()
+            m(batch_for_step(10 * step + 2)).square().mean().backward()  # accumulates
+            o.step()
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_clip_grad_norm_without_streaming_is_torchs(tmp_path: Path) -> None:
+    ref, model = make_models()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path, **KWARGS)
+    for step in range(3):
+        for m in (ref, model):
+            m(batch_for_step(step)).square().mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        assert torch.equal(opt.clip_grad_norm_(0.01), norm)
+        for o in (plain, opt):
+            o.step()
+            o.zero_grad()
+    opt.close()
+    assert_same_params(ref, model)

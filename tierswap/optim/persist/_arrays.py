@@ -15,7 +15,8 @@ __all__ = ["base_arrays", "create_arrays", "master_of", "write_params"]
 
 def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
     """The arrays every slot has from the start (key, dtype; in the parameter's shape): its
-    master (fp32, or the int16 remainder) and its committed copy of the parameter."""
+    master (fp32, or the int16 remainder), its committed copy of the parameter, and a streamed
+    parameter's gradient."""
     arrays = []
     if slot.has_master:
         arrays.append(
@@ -23,6 +24,8 @@ def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
         )
     if slot.persists_param:
         arrays.append((slot.param_key, slot.param.dtype))
+    if slot.keeps_grad:
+        arrays.append((slot.grad_key, slot.param.dtype))
     return arrays
 
 

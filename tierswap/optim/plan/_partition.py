@@ -233,6 +233,21 @@ class Slot:
         return f"{self.prefix}/param"
 
     @property
+    def grad_key(self) -> str:
+        """The key of a streamed parameter's gradient, kept in the swap space from the moment
+        backward finalizes it until the step reads it."""
+        return f"{self.prefix}/grad"
+
+    @property
+    def keeps_grad(self) -> bool:
+        """Whether the gradient lives in the swap space (a streamed trainable parameter)."""
+        return self.streamed and self.param.requires_grad
+
+    def grad_buffers(self, numel: int) -> list[int]:
+        """Bytes of the buffer a segment of ``numel`` elements reads its kept gradient into."""
+        return [self.param.dtype.itemsize * numel] if self.keeps_grad else []
+
+    @property
     def state_bytes(self) -> int:
         """Cache footprint of the state: each tensor occupies whole 4 KiB pages."""
         numel = self.local.numel()
@@ -263,14 +278,19 @@ class Slot:
 
     @property
     def working_set(self) -> int:
-        """Bytes held for this slot while it steps whole: state plus master."""
-        return self.state_bytes + self.master_bytes
+        """Bytes held for this slot while it steps whole: state, master and kept gradient."""
+        grad = sum(_footprint(n) for n in self.grad_buffers(self.local.numel()))
+        return self.state_bytes + self.master_bytes + grad
 
     @property
     def bytes_per_element(self) -> int:
         """Host bytes per element while stepping (rounded up): state (stored and decoded), and
         master plus fp32 gradient."""
-        per_block = sum(self.state_buffers(BLOCK_SIZE)) + sum(self.master_buffers(BLOCK_SIZE))
+        per_block = (
+            sum(self.state_buffers(BLOCK_SIZE))
+            + sum(self.master_buffers(BLOCK_SIZE))
+            + sum(self.grad_buffers(BLOCK_SIZE))
+        )
         return -(-per_block // BLOCK_SIZE)
 
     @property
@@ -284,7 +304,7 @@ class Slot:
         """Smallest element size among the slot's stored arrays (state, master, param)."""
         state = {"fp32": self.state_itemsizes, "bf16": (2,), "8bit": (1,)}[self.stored_precision]
         sizes = [*state, 2 if self.remainder else master_dtype(self.param).itemsize]
-        if self.persists_param:
+        if self.persists_param or self.keeps_grad:
             sizes.append(self.param.dtype.itemsize)
         return min(sizes)
 
@@ -313,6 +333,7 @@ class Segment:
         if numel == 0:  # e.g. an empty FSDP shard: stepped for its counters, no buffers
             return 0
         master = sum(_footprint(n) for n in self.slot.master_buffers(numel))
+        master += sum(_footprint(n) for n in self.slot.grad_buffers(numel))
         if self.slot.whole:
             decoded = 0 if self.slot.stored_precision == "fp32" else self.slot.state_count
             temporaries = WHOLE_TEMPORARIES + decoded  # compact state decodes into fp32 copies

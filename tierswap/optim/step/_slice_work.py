@@ -125,7 +125,7 @@ def slice_reads(
     piece: Slice, state_names: dict[int, list[str]], *, scales_held: bool = False
 ) -> tuple[Region, ...]:
     """The regions a slice reads: the state that exists (its 8-bit scales only when they
-    are not held: ``scales_held``), and each master."""
+    are not held: ``scales_held``), each master, and each gradient kept in the swap space."""
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
@@ -134,6 +134,8 @@ def slice_reads(
             reads += regions[:1] if scales_held and slot.scales_bytes else regions
         if slot.has_master:
             reads.append(_region(slot.master_key, seg))
+        if slot.keeps_grad:
+            reads.append(_region(slot.grad_key, seg))
     return tuple(reads)
 
 
@@ -290,9 +292,14 @@ def _target(
 ) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
-    whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
-    assert whole_grad is not None  # plan.live holds only slots whose gradient is final
-    grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
+    if slot.keeps_grad:  # read with the slice, scaled in place as clipping scales a gradient
+        grad = _shaped(slot, tensors[_region(slot.grad_key, seg)])
+        for factor in plan.grad_scales:
+            grad.mul_(factor.to(grad.device))
+    else:
+        whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
+        assert whole_grad is not None  # plan.live holds only slots whose gradient is final
+        grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
         stored = tensors[_region(slot.master_key, seg)]
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter

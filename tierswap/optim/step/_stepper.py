@@ -57,6 +57,12 @@ def reduced_after_backward(slots: list[Slot]) -> bool:
     return world()[1] > 1 and not any(local_tensor(s.param) is not s.param for s in slots)
 
 
+def _grads_kept(piece: Slice) -> bool:
+    """Whether every gradient ``piece`` reads from the swap space (a streamed parameter's,
+    :attr:`~tierswap.optim.plan.Slot.keeps_grad`) is there: its read may start."""
+    return all(seg.slot.param.grad is not None for seg in piece.segments if seg.slot.keeps_grad)
+
+
 class Stepper:
     """Runs the steps of one optimizer over its parts (:class:`~tierswap.optim.persist.
     OptimizerParts`: the store, the layout, the step bookkeeping, the commit clock, the torch
@@ -316,6 +322,7 @@ class Stepper:
             if plan is not None and plan.write_params
             else set()
         )
+        self.parts.state.grad_scales.clear()  # they scaled this step's gradients
         self.parts.commits.stepped()
         if due:
             commit(self.parts)
@@ -338,7 +345,7 @@ class Stepper:
             self._grad_speculative(layout, slot.index)
             return
         if overlap != "backward":
-            self._prefetch(layout.slices_of[slot.index])
+            self._prefetch([p for p in layout.slices_of[slot.index] if _grads_kept(p)])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self.parts.config.accumulation_steps:

@@ -16,9 +16,15 @@ are used is recorded over the first iteration (up to the first ``step()``); late
 the next modules' parameters ahead, as the lookahead policy does for the step's slices.
 Reads started ahead are dropped when a step begins, since the step rewrites the masters.
 
-Not yet: the gradients stay in ``param.grad`` until the step (as without streaming), the
-materialized parameters are not counted in the device budget, and parameters used outside the
-forward of the modules that own them are not read for that use.
+Gradients never pile up: as backward finalizes a parameter's gradient (the optimizer's
+post-accumulate-grad hook), the gradient goes to the swap space too (into its resident slice,
+or written behind to the store from pooled host buffers within the host budget), its 2-norm is
+noted for ``clip_grad_norm_``, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in:
+the step reads the gradient with the slice's state. Backward passes that accumulate add to the
+kept gradient, as torch adds into ``param.grad``.
+
+Not yet: the materialized parameters are not counted in the device budget, and parameters used
+outside the forward of the modules that own them are not read for that use.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
+from tierswap.errors import ConfigError
 from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts
 from tierswap.optim.plan import Segment, Slot, master_dtype
+from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes
 from tierswap.pipeline import Job, Region
 
@@ -76,6 +85,10 @@ class ParameterStream:
         self._cursor = 0
         self._ahead: set[Any] = set()  # names of the jobs read ahead
         self._handles: list[Any] = []
+        self._accumulating: set[int] = set()  # slots whose kept gradient this pass adds to
+        #: The 2-norm of each kept gradient (for ``clip_grad_norm_``), by slot index.
+        self.norms: dict[int, torch.Tensor] = {}
+        self.kept_grad_bytes = 0  # gradients put in the swap space
         self.fetched_bytes = 0  # read from the store
         self.copied_bytes = 0  # copied from resident slices
         self.live_bytes = 0
@@ -87,21 +100,13 @@ class ParameterStream:
         for index in {i for _, owned in self._modules for i in owned}:
             free(self._slot(index).param)
         ref = weakref.ref(self)
-        for position, (module, owned) in enumerate(self._modules):
+        for position, (module, _) in enumerate(self._modules):
             self._handles += [
                 module.register_forward_pre_hook(functools.partial(_before, ref, position)),
                 module.register_forward_hook(
                     functools.partial(_after, ref, position), always_call=True
                 ),
             ]
-            for index in owned:
-                param = self._slot(index).param
-                if param.requires_grad:
-                    self._handles.append(
-                        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                            functools.partial(_grad_final, ref, index)
-                        )
-                    )
         model = self._model()
         if model is not None:
             self._handles.append(
@@ -149,16 +154,34 @@ class ParameterStream:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            self._take_back_gradients()
         if position in self._seen_in_backward:
             return
         self._seen_in_backward.add(position)
         self._used(position)
         self._fetch(self._modules[position][1])
 
-    def grad_final(self, index: int) -> None:
-        """The gradient of slot ``index``'s parameter is final: backward needs it no more."""
-        if self._users[index] <= 0:
-            self._free([index])
+    def grad_final(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is final in this backward pass (the optimizer's gradient hook,
+        before the step hears of it): keep it in the swap space, added to the one kept since
+        the last ``zero_grad()`` (accumulation, as torch adds into ``param.grad``), leave
+        :class:`OffloadedGradient` in ``param.grad``, and free the parameter, which backward
+        needs no more."""
+        slot = self.parts.layout.slot_of.get(id(param))
+        if slot is None or not slot.streamed:
+            return
+        grad = param.grad
+        if grad is not None and not isinstance(grad, OffloadedGradient):
+            with torch.no_grad():
+                if slot.index in self._accumulating:
+                    kept = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+                    self._read_into({slot.index: kept.view(-1)}, grad=True)
+                    grad = kept.add_(grad)
+                self._keep_grad(slot, grad)
+                self.norms[slot.index] = _norm(grad)
+            param.grad = OffloadedGradient(param)
+        if self._users[slot.index] <= 0:
+            self._free([slot.index])
 
     def end_backward(self) -> None:
         """Backward ended: free what it read (frozen parameters, which have no gradient
@@ -166,6 +189,40 @@ class ParameterStream:
         self._in_backward = False
         self._seen_in_backward.clear()
         self._free([i for i in list(self._live) if self._users[i] <= 0])
+
+    def _take_back_gradients(self) -> None:
+        """A backward pass begins: the gradients kept since the last ``zero_grad()`` are the
+        ones this pass adds to; their stand-ins leave ``param.grad`` so that autograd stores a
+        fresh gradient (torch would add into the old one)."""
+        self._accumulating = set()
+        for _, owned in self._modules:
+            for index in owned:
+                param = self._slot(index).param
+                if isinstance(param.grad, OffloadedGradient):
+                    self._accumulating.add(index)
+                    param.grad = None
+
+    def total_norm(self, norm_type: float) -> torch.Tensor:
+        """The 2-norm of the kept gradients (those with a stand-in in ``param.grad``), as
+        ``torch.nn.utils.get_total_norm`` computes it over ``model.parameters()``: the norms of
+        each gradient, grouped by device and dtype in order of first appearance, stacked on the
+        first one's device."""
+        if float(norm_type) != 2.0:
+            raise ConfigError(
+                f"clip_grad_norm_ with offload_parameters=True computes 2-norms (the norms of "
+                f"the gradients are taken as backward finalizes them); norm_type={norm_type!r}"
+            )
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for slot in self.parts.layout.slots:
+            param = slot.param
+            if isinstance(param.grad, OffloadedGradient) and slot.index in self.norms:
+                groups.setdefault((param.device, param.dtype), []).append(self.norms[slot.index])
+        norms = [norm for group in groups.values() for norm in group]
+        if not norms:
+            return torch.tensor(0.0)
+        first = norms[0].device
+        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+        return total
 
     def step_begins(self) -> None:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
@@ -192,6 +249,7 @@ class ParameterStream:
             "streamed": sum(len(owned) for _, owned in self._modules),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
+            "kept_grad_bytes": self.kept_grad_bytes,
             "live_bytes": self.live_bytes,
             "peak_bytes": self.peak_bytes,
         }
@@ -209,15 +267,34 @@ class ParameterStream:
             if seg.slot is slot
         ]
 
-    def _job(self, slot: Slot, seg: Segment) -> Job:
-        """The read of ``seg``'s master (a job of the pipeline, named apart from the slices')."""
-        region = Region(slot.master_key, seg.start, seg.stop)
-        size = footprint(region.numel * master_dtype(slot.param).itemsize)
-        return Job(("param", slot.index, seg.start), (region,), size)
+    def _job(self, slot: Slot, seg: Segment, *, grad: bool = False) -> Job:
+        """The read of ``seg``'s master or kept gradient (a job of the pipeline, named apart
+        from the slices')."""
+        region = _region(slot, seg, grad=grad)
+        dtype = slot.param.dtype if grad else master_dtype(slot.param)
+        name = ("grad" if grad else "param", slot.index, seg.start)
+        return Job(name, (region,), footprint(region.numel * dtype.itemsize))
 
-    def _read_into(self, targets: dict[int, torch.Tensor]) -> None:
+    def _keep_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Put ``grad`` where the step reads it: into a resident slice's tensors, or behind
+        the caller into the store (from pooled host buffers, within the host budget)."""
+        pipeline = self.parts.backend.pipeline
+        flat = grad.reshape(-1)
+        writes: dict[Region, torch.Tensor] = {}
+        for piece, seg in self._segments(slot):
+            region = _region(slot, seg, grad=True)
+            kept = pipeline.resident(piece)
+            if kept is not None:
+                kept[region].copy_(flat[seg.start : seg.stop])
+            else:
+                writes[region] = flat[seg.start : seg.stop]
+        pipeline.write_behind(writes)
+        self.kept_grad_bytes += grad.numel() * grad.element_size()
+
+    def _read_into(self, targets: dict[int, torch.Tensor], *, grad: bool = False) -> None:
         """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's
-        master: copied from the resident slices, read from the store for the others."""
+        master (or, with ``grad``, its kept gradient): copied from the resident slices, read
+        from the store for the others."""
         pipeline = self.parts.backend.pipeline
         jobs: list[Job] = []
         into: dict[Any, torch.Tensor] = {}
@@ -226,11 +303,11 @@ class ParameterStream:
             for piece, seg in self._segments(slot):
                 kept = pipeline.resident(piece)
                 if kept is not None:
-                    value = kept[Region(slot.master_key, seg.start, seg.stop)]
+                    value = kept[_region(slot, seg, grad=grad)]
                     target[seg.start : seg.stop].copy_(value)
                     self.copied_bytes += value.numel() * value.element_size()
                 else:
-                    jobs.append(self._job(slot, seg))
+                    jobs.append(self._job(slot, seg, grad=grad))
                     into[jobs[-1].name] = target[seg.start : seg.stop]
         self._ahead.difference_update(into)
 
@@ -313,6 +390,21 @@ class ParameterStream:
         }
 
 
+def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
+    return Region(slot.grad_key if grad else slot.master_key, seg.start, seg.stop)
+
+
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``'s 2-norm as ``torch.nn.utils.get_total_norm`` takes each gradient's: with
+    ``torch._foreach_norm`` where torch would use it, else ``torch.linalg.vector_norm``."""
+    norm: torch.Tensor
+    if _has_foreach_support([grad], grad.device):
+        norm = torch._foreach_norm([grad], 2.0)[0]
+    else:
+        norm = torch.linalg.vector_norm(grad, 2.0)
+    return norm
+
+
 # The hooks hold the stream weakly: a dropped optimizer leaves nothing behind in the model.
 def _before(ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any) -> None:
     stream = ref()
@@ -332,12 +424,6 @@ def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any
     stream = ref()
     if stream is not None:
         stream.before_backward(position)
-
-
-def _grad_final(ref: weakref.ref[ParameterStream], index: int, param: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.grad_final(index)
 
 
 def _filled_state_dict(
