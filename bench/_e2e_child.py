@@ -36,12 +36,15 @@ def build_model(width: int, depth: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def build_gpt2() -> torch.nn.Module:
-    """GPT-2 124M (transformers' GPT2LMHeadModel, 12 layers, dim 768), random init: no
-    download, a config and random weights."""
+def build_gpt2(layers: int = 12, width: int = 768) -> torch.nn.Module:
+    """GPT-2 (transformers' GPT2LMHeadModel; 124M at the default 12 layers of dim 768, heads
+    of 64), random init: no download, a config and random weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_positions=GPT2_TOKENS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=max(width // 64, 1), n_positions=GPT2_TOKENS,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
     return GPT2LMHeadModel(config)
 
 
@@ -93,7 +96,11 @@ class Workload:
         if args.model == "gpulike":
             self.model = build_gpulike()
         else:
-            self.model = build_gpt2() if self.gpt2 else build_model(args.width, args.depth)
+            self.model = (
+                build_gpt2(args.gpt2_layers, args.gpt2_width)
+                if self.gpt2
+                else build_model(args.width, args.depth)
+            )
         if self.gpt2:
             gen = torch.Generator().manual_seed(1)
             vocab = self.model.config.vocab_size
@@ -156,8 +163,13 @@ def _torch_loop(
         loss.backward()
         backward = time.perf_counter()
         if opt is not None:
-            if work.clip is not None:  # part of the step phase
-                torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
+            if work.clip is not None:  # part of the step phase; tierswap's clips where the
+                # gradients are (with offload_parameters, in the swap space)
+                clip = getattr(opt, "clip_grad_norm_", None)
+                if clip is not None:
+                    clip(work.clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
             opt.step()
             opt.zero_grad()
         else:
@@ -208,10 +220,12 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
     import tierswap
 
     work = Workload(args)
+    options = json.loads(args.options)
+    streamed = options.get("offload_parameters", False)  # the model itself: its hooks stream
     opt = tierswap.SwapOptimizer(
-        work.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0,
-        swap_dir=[args.dir, *args.also_dir] if args.also_dir else args.dir,
-        host_budget=args.host_budget, **json.loads(args.options),
+        work.model if streamed else work.model.parameters(), torch.optim.AdamW, lr=LR,
+        weight_decay=0, swap_dir=[args.dir, *args.also_dir] if args.also_dir else args.dir,
+        host_budget=args.host_budget, **options,
     )  # fmt: skip
     counters = dict(DISK)
     nvme = _nvme_counter(opt)
@@ -227,9 +241,14 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "phases": phases}
 
 
-def deepspeed_config(args: argparse.Namespace, pipelined: bool) -> dict[str, Any]:
-    """ZeRO-3 with the optimizer state offloaded to NVMe (ZeRO-Infinity), as the issue sets it."""
-    return {
+def deepspeed_config(
+    args: argparse.Namespace, pipelined: bool, offload_param: bool = False
+) -> dict[str, Any]:
+    """ZeRO-3 with the optimizer state offloaded to NVMe (ZeRO-Infinity), as the issue sets it;
+    with ``offload_param``, the parameters too (ZeRO-Infinity's parameter offload: no
+    parameter stays in memory, ``buffer_size`` elements per swap buffer must hold the largest
+    parameter)."""
+    config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0}},
         "zero_optimization": {
@@ -253,6 +272,16 @@ def deepspeed_config(args: argparse.Namespace, pipelined: bool) -> dict[str, Any
             "overlap_events": True,
         },
     }
+    if offload_param:
+        config["zero_optimization"]["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": args.dir,
+            "pin_memory": True,
+            "buffer_count": 5,
+            "buffer_size": 100_000_000,
+            "max_in_cpu": 0,
+        }
+    return config
 
 
 def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,10 +289,16 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    work = Workload(args)
-    config = deepspeed_config(args, json.loads(args.options).get("pipelined", False))
-    if work.gpt2:
+    options = json.loads(args.options)
+    offload_param = options.get("offload_param", False)
+    config = deepspeed_config(args, options.get("pipelined", False), offload_param)
+    if args.model == "gpt2":
         config["train_micro_batch_size_per_gpu"] = GPT2_BATCH
+    if offload_param:  # the model is partitioned to NVMe as it is built
+        with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=config):
+            work = Workload(args)
+    else:
+        work = Workload(args)
     engine, _opt, _, _ = deepspeed.initialize(
         model=work.model, model_parameters=work.model.parameters(), config=config
     )
@@ -295,6 +330,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--model", choices=["mlp", "gpt2", "gpulike"], default="mlp")
+    p.add_argument("--gpt2-layers", type=int, default=12)
+    p.add_argument("--gpt2-width", type=int, default=768)
     p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ before each step")
     args = p.parse_args()
     faulthandler.enable()  # a crash inside a native op (DeepSpeed's aio threads) shows where

@@ -15,6 +15,13 @@ rounds interleaved so that machine load hits them alike; the figure is the media
                 (and MODE_ENV, the environment some modes add)
   ds-default    DeepSpeed ZeRO-3, optimizer state offloaded to NVMe, buffer_count 4
   ds-pipelined  the same with pipeline_read / pipeline_write and buffer_count 12
+  ds-param      ZeRO-3 with the parameters offloaded to NVMe as well (offload_param, the model
+                built under zero.Init): runs only beside a tierswap "stream" mode, which gives
+                SwapOptimizer the model and offload_parameters=True (parameters and gradients
+                in the swap folder too)
+
+--model gpt2 --gpt2-layers L --gpt2-width D sizes the GPT-2 (heads of 64; 124M by default), as
+the parameter-streaming comparison needs (about 1.3B: 24 layers of 2048).
 
 The I/O bound is the bytes tierswap's default mode reads and writes per iteration (its
 ``tier_stats()``) at fio's sequential O_DIRECT bandwidth on the same folder (tierswap's shared
@@ -99,6 +106,11 @@ MODES: dict[str, dict[str, Any]] = {
     # the 8-bit codec on torch's ops instead of its C kernels (MODE_ENV), to compare them
     "8bit-ops": {"state_precision": "8bit"},
     "8bit-fused-ops": {"state_precision": "8bit", "fused": True},
+    # the parameters and gradients streamed too (offload_parameters=True: the model is given,
+    # each module's parameters are read before its forward and backward, gradients go to the
+    # swap folder; clipping, with --clip, through opt.clip_grad_norm_)
+    "stream": {"offload_parameters": True},
+    "stream-fused": {"offload_parameters": True, "fused": True},
     # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
     "striped": {},
     "fused-striped": {"fused": True},
@@ -121,7 +133,12 @@ RAM: dict[str, dict[str, Any]] = {
 DEEPSPEED: dict[str, dict[str, Any]] = {
     "ds-default": {"pipelined": False},
     "ds-pipelined": {"pipelined": True},
+    # ZeRO-Infinity's parameter offload too (offload_param to NVMe, the model built under
+    # zero.Init): the peer of the "stream" modes, run only when one of them is
+    "ds-param": {"pipelined": False, "offload_param": True},
 }
+#: The DeepSpeed configuration that runs only beside a tierswap mode streaming parameters.
+DS_PARAM = "ds-param"
 TARGET_VS_DEEPSPEED = 1.5
 TARGET_VS_BOUND = 1.15
 
@@ -130,12 +147,19 @@ def _state_bytes(width: int, depth: int, model: str = "mlp") -> int:
     """AdamW's exp_avg + exp_avg_sq of the model, fp32."""
     if model == "gpulike":
         return 2 * 4 * GPULIKE_PARAMS
-    params = GPT2_PARAMS if model == "gpt2" else depth * (width * width + width) + width + 1
+    params = depth * (width * width + width) + width + 1
     return 2 * 4 * params
 
 
-#: GPT2LMHeadModel's parameters with 64 positions (the head is tied to the embedding).
-GPT2_PARAMS = 123_702_528
+def gpt2_params(layers: int, width: int) -> int:
+    """GPT2LMHeadModel's parameters with 64 positions (the head is tied to the embedding):
+    embeddings, per layer two LayerNorms, attention (3d + d projections) and MLP (4d), and the
+    final LayerNorm."""
+    return (GPT2_VOCAB + 64) * width + layers * (12 * width * width + 13 * width) + 2 * width
+
+
+#: GPT-2's vocabulary.
+GPT2_VOCAB = 50257
 #: The GPU-like model (bench/_e2e_child.py build_gpulike): 12 weights of 2048 x 4096.
 GPULIKE_PARAMS = 12 * 2048 * 4096
 
@@ -174,6 +198,7 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     env = dict(os.environ)
     common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
     common += ["--width", str(args.width), "--depth", str(args.depth), "--model", args.model]
+    common += ["--gpt2-layers", str(args.gpt2_layers), "--gpt2-width", str(args.gpt2_width)]
     if args.clip is not None:
         common += ["--clip", str(args.clip)]
     if config in RAM:
@@ -246,14 +271,19 @@ def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     missing = _deepspeed_missing(args.deepspeed_python)
     if missing is not None:
         return configs, f"DeepSpeed skipped: {missing}"
-    return configs + list(DEEPSPEED), None
+    streams = any(MODES[mode].get("offload_parameters") for mode in args.modes)
+    return configs + [c for c in DEEPSPEED if c != DS_PARAM or streams], None
 
 
 def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[str, Any]:
     """All configurations once per round, interleaved, with a fio trial at the start of each."""
     runs: dict[str, list[dict]] = {config: [] for config in configs}
     fio: list[dict[str, float]] = []
-    nbytes = _state_bytes(args.width, args.depth, args.model)
+    nbytes = (
+        2 * 4 * gpt2_params(args.gpt2_layers, args.gpt2_width)
+        if args.model == "gpt2"
+        else _state_bytes(args.width, args.depth, args.model)
+    )
     for round_ in range(args.rounds):
         bandwidth = _fio_trial(folder, nbytes)
         if bandwidth is not None:
@@ -299,6 +329,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]]) -> dict[str
             "swap_bytes_per_iter": _per_iteration(ok, "swap_bytes", args),
             "phases": _phase_medians(ok, args),
             "schedule": _schedules(ok),
+            "parameters": _parameters(ok),
             "failed_rounds": len(results) - len(ok),
             "nonzero_exits": sum(1 for r in ok if r.get("exit_code")),
         }
@@ -309,6 +340,14 @@ def _schedules(results: list[dict]) -> list[dict] | None:
     """What tierswap's schedule did in each round (``tier_stats()["schedule"]``)."""
     found = [r["tier_stats"]["schedule"] for r in results if "schedule" in r.get("tier_stats", {})]
     return found or None
+
+
+def _parameters(results: list[dict]) -> dict[str, int] | None:
+    """What streaming parameters did in the last round (``tier_stats()["parameters"]``)."""
+    found = [
+        r["tier_stats"]["parameters"] for r in results if "parameters" in r.get("tier_stats", {})
+    ]
+    return found[-1] if found else None
 
 
 def _phase_medians(results: list[dict], args: argparse.Namespace) -> dict[str, float] | None:
@@ -378,6 +417,11 @@ def print_table(summary: dict[str, dict], best_ds: float | None) -> None:
             ph = row["phases"]
             print(f"  forward {ph['forward']:.3f} s, backward {ph['backward']:.3f} s, "
                   f"step {ph['step']:.3f} s")  # fmt: skip
+        if row.get("parameters"):
+            par = row["parameters"]
+            print(f"  parameters: {par['streamed']} streamed, held at most "
+                  f"{format_size(par['peak_bytes'])}; read {format_size(par['fetched_bytes'])}, "
+                  f"gradients kept {format_size(par['kept_grad_bytes'])} over the run")  # fmt: skip
         for sched in row.get("schedule") or []:
             if sched.get("overlap") in ("auto", "forward"):
                 print(
@@ -491,6 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")
+    p.add_argument("--gpt2-layers", type=int, default=12, help="--model gpt2: layers")
+    p.add_argument("--gpt2-width", type=int, default=768, help="--model gpt2: model width")
     p.add_argument(
         "--model", choices=["mlp", "gpt2", "gpulike"], default="mlp",
         help="mlp: the synthetic model above; gpt2: GPT-2 124M (transformers, random init), "

@@ -280,15 +280,13 @@ class ParameterStream:
         the caller into the store (from pooled host buffers, within the host budget)."""
         pipeline = self.parts.backend.pipeline
         flat = grad.reshape(-1)
-        writes: dict[Region, torch.Tensor] = {}
         for piece, seg in self._segments(slot):
             region = _region(slot, seg, grad=True)
             kept = pipeline.resident(piece)
             if kept is not None:
                 kept[region].copy_(flat[seg.start : seg.stop])
-            else:
-                writes[region] = flat[seg.start : seg.stop]
-        pipeline.write_behind(writes)
+            else:  # a segment at a time: the room the layout keeps for one slice in flight
+                pipeline.write_behind({region: flat[seg.start : seg.stop]})
         self.kept_grad_bytes += grad.numel() * grad.element_size()
 
     def _read_into(self, targets: dict[int, torch.Tensor], *, grad: bool = False) -> None:
