@@ -212,13 +212,17 @@ def test_bf16_parameters_match_the_optimizer_that_does_not_stream(tmp_path: Path
     assert_same_params(ref, model)
 
 
-def test_accumulation_and_evaluation_between_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_budget", [20480, 65536], ids=["tight", "reads-ahead"])
+def test_accumulation_and_evaluation_between_steps(tmp_path: Path, host_budget: int) -> None:
+    """Two backward passes per step; with room to read ahead, the first pass starts reading
+    slices whose kept gradients the second one replaces."""
     ref, model = _pair()
     plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=host_budget, policy="lru",
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
+    assert opt.placement == {}
     evaluated: dict[bool, torch.Tensor] = {}
     for step in range(3):
         for m, o in ((ref, plain), (model, opt)):
@@ -357,5 +361,28 @@ def test_clip_grad_norm_without_streaming_is_torchs(tmp_path: Path) -> None:
         for o in (plain, opt):
             o.step()
             o.zero_grad()
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_a_gradient_larger_than_the_room_beside_resident_slices_is_kept(tmp_path: Path) -> None:
+    """A 48 MiB gradient, with half of a 64 MiB host budget holding resident slices and the
+    other half kept for slices in flight: the gradient goes to the store a slice at a time."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4096, 3072), torch.nn.Linear(3072, 4))
+    model = copy.deepcopy(ref)
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=64 << 20,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    x = torch.randn(2, 4096)
+    for _ in range(2):
+        for m, o in ((ref, plain), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert opt.placement  # some slices stay resident
+    assert len(opt.placement) < len(opt.slices)  # the others stream
     opt.close()
     assert_same_params(ref, model)

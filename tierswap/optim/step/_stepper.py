@@ -345,7 +345,7 @@ class Stepper:
             self._grad_speculative(layout, slot.index)
             return
         if overlap != "backward":
-            self._prefetch([p for p in layout.slices_of[slot.index] if _grads_kept(p)])
+            self._prefetch(layout.slices_of[slot.index])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self.parts.config.accumulation_steps:
@@ -483,9 +483,9 @@ class Stepper:
 
     def _prefetch(self, pieces: list[Slice]) -> None:
         """Start the reads of ``pieces`` (the held scales' first), as far as the budget
-        allows."""
+        allows; not of a slice whose gradients in the swap space are not all there yet."""
         scales = self._scales_job()
-        jobs = [self._job(piece) for piece in pieces]
+        jobs = [self._job(piece) for piece in pieces if _grads_kept(piece)]
         self.parts.backend.pipeline.prefetch(jobs if scales is None else [scales, *jobs])
 
     def _scales_job(self) -> Job | None:

@@ -286,6 +286,7 @@ class ParameterStream:
             if kept is not None:
                 kept[region].copy_(flat[seg.start : seg.stop])
             else:  # a segment at a time: the room the layout keeps for one slice in flight
+                pipeline.release([piece])  # a read of the slice started ahead is stale now
                 pipeline.write_behind({region: flat[seg.start : seg.stop]})
         self.kept_grad_bytes += grad.numel() * grad.element_size()
 
