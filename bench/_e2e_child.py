@@ -245,9 +245,9 @@ def deepspeed_config(
     args: argparse.Namespace, pipelined: bool, offload_param: bool = False
 ) -> dict[str, Any]:
     """ZeRO-3 with the optimizer state offloaded to NVMe (ZeRO-Infinity), as the issue sets it;
-    with ``offload_param``, the parameters too (ZeRO-Infinity's parameter offload: no
-    parameter stays in memory, ``buffer_size`` elements per swap buffer must hold the largest
-    parameter)."""
+    with ``offload_param``, the parameters too (ZeRO-Infinity's parameter offload: parameters
+    of 1 MiB or more live on NVMe, ``buffer_size`` elements per swap buffer must hold the
+    largest)."""
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0}},
@@ -273,14 +273,19 @@ def deepspeed_config(
         },
     }
     if offload_param:
+        # A swap buffer holds one parameter: the parameters live at once (and read ahead) must
+        # not outnumber them ("Not enough buffers" in the first forward with the defaults).
+        config["zero_optimization"].update(
+            stage3_max_live_parameters=60_000_000, stage3_prefetch_bucket_size=20_000_000
+        )
         config["zero_optimization"]["offload_param"] = {
             "device": "nvme",
             "nvme_path": args.dir,
             "pin_memory": True,
-            "buffer_count": 5,
-            "buffer_size": 100_000_000,
-            "max_in_cpu": 0,
-        }
+            "buffer_count": 16,  # 5 and 8 ran out on a 4 x 1024 GPT-2 ("Not enough buffers")
+            "buffer_size": 50304 * args.gpt2_width,  # the largest parameter: the embedding
+        }  # max_in_cpu left at its default: with 0, 0.19.8's first forward runs out of
+        # buffers (its swapped-in parameters are never let go: DeepSpeed issue 3062)
     return config
 
 
@@ -294,7 +299,13 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     config = deepspeed_config(args, options.get("pipelined", False), offload_param)
     if args.model == "gpt2":
         config["train_micro_batch_size_per_gpu"] = GPT2_BATCH
-    if offload_param:  # the model is partitioned to NVMe as it is built
+    if offload_param:  # partitioned to NVMe as it is built (built whole and partitioned by
+        # deepspeed.initialize instead, its parameters came out bf16 on the CPU accelerator).
+        # Under zero.Init transformers skips its weight init (torch's defaults stay): the
+        # values differ from tierswap's run, the work per iteration does not.
+        import torch._dynamo  # noqa: F401  (imported under zero.Init, which patches
+        import transformers  # noqa: F401  Tensor.__new__, dynamo's polyfills refuse to load)
+
         with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=config):
             work = Workload(args)
     else:

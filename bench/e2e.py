@@ -15,10 +15,11 @@ rounds interleaved so that machine load hits them alike; the figure is the media
                 (and MODE_ENV, the environment some modes add)
   ds-default    DeepSpeed ZeRO-3, optimizer state offloaded to NVMe, buffer_count 4
   ds-pipelined  the same with pipeline_read / pipeline_write and buffer_count 12
-  ds-param      ZeRO-3 with the parameters offloaded to NVMe as well (offload_param, the model
-                built under zero.Init): runs only beside a tierswap "stream" mode, which gives
-                SwapOptimizer the model and offload_parameters=True (parameters and gradients
-                in the swap folder too)
+  ds-param      ZeRO-3 with the parameters offloaded to NVMe as well (offload_param; the model
+                built under zero.Init(remote_device="nvme"), as the issue sets it up):
+                the peer of tierswap's "stream" modes, which give SwapOptimizer the model and
+                offload_parameters=True (parameters and gradients in the swap folder too).
+                ds-param runs when a stream mode does, the other two when another mode does
 
 --model gpt2 --gpt2-layers L --gpt2-width D sizes the GPT-2 (heads of 64; 124M by default), as
 the parameter-streaming comparison needs (about 1.3B: 24 layers of 2048).
@@ -271,8 +272,11 @@ def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     missing = _deepspeed_missing(args.deepspeed_python)
     if missing is not None:
         return configs, f"DeepSpeed skipped: {missing}"
-    streams = any(MODES[mode].get("offload_parameters") for mode in args.modes)
-    return configs + [c for c in DEEPSPEED if c != DS_PARAM or streams], None
+    streams = [bool(MODES[mode].get("offload_parameters")) for mode in args.modes]
+    peers = [c for c in DEEPSPEED if (c == DS_PARAM and any(streams)) or (
+        c != DS_PARAM and not all(streams)
+    )]  # fmt: skip
+    return configs + peers, None
 
 
 def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tests.optim.train_child import (
     COMPACT_KWARGS,
     MUON_KWARGS,
     MUON_LR,
+    STREAM_KWARGS,
     compact_net,
     muon_groups,
 )
@@ -85,6 +86,32 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path) -> None:
             ref_sched.step()
             opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
         assert_same_params(ref_model, model)
+
+
+def test_sigkilled_streaming_run_resumes_bit_exact(tmp_path) -> None:
+    """Parameters and gradients in the swap folder too (offload_parameters): killed mid-run,
+    the commit holds the parameters, and the resumed run goes on as torch's AdamW."""
+    swap_dir = tmp_path / "run"
+    _run_until_killed(swap_dir, 5, "stream")
+    _, model = make_models(seed=11)  # the resume overwrites these weights
+    opt = SwapOptimizer(model, torch.optim.AdamW, swap_dir=swap_dir, resume=True, **STREAM_KWARGS)
+    with opt:
+        done = opt.steps
+        assert done >= 5
+        ref_model, _ = make_models()
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05)
+        ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref, gamma=CHILD_LR_DECAY)
+        for step in range(done):
+            train_step(ref_model, ref, batch_for_step(step))
+            ref_sched.step()
+        for name, value in model.state_dict().items():  # read from the commit
+            assert torch.equal(value, ref_model.state_dict()[name]), name
+        for step in range(done, done + 2):
+            opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
+            train_step(ref_model, ref, batch_for_step(step))
+            train_step(model, opt, batch_for_step(step))
+            ref_sched.step()
+    assert_same_params(ref_model, model)  # close() gave the model its values
 
 
 def test_sigkilled_8bit_run_resumes_bit_exact(tmp_path) -> None:

@@ -1,7 +1,9 @@
 """A training process for the kill-and-resume tests.
 
-``python -m tests.optim.train_child DIR [muon|8bit]`` trains TinyNet with a SwapOptimizer
-committing every step and prints ``committed <n>`` after each step until it is killed. With
+``python -m tests.optim.train_child DIR [muon|8bit|stream]`` trains TinyNet with a
+SwapOptimizer committing every step and prints ``committed <n>`` after each step until it is
+killed. With ``stream``, the optimizer streams the model's parameters and gradients too
+(``offload_parameters=True``). With
 ``muon``, the matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
 (:func:`muon_groups`). With ``8bit``, a net of two 8192-element weights (:func:`compact_net`)
 keeps 8-bit moments at a budget that streams them, its scales held in host memory.
@@ -42,6 +44,8 @@ MUON_LR = 0.02
 MUON_KWARGS = {**CHILD_KWARGS, "host_budget": 64 << 10}  # whole matrices and their temporaries
 #: 8-bit moments streamed (160 KiB of working set), the scales (16 KiB) held beside them
 COMPACT_KWARGS = {**CHILD_KWARGS, "host_budget": 128 << 10, "state_precision": "8bit"}
+#: Parameters and gradients in the swap folder too: a slice holds a gradient page more
+STREAM_KWARGS = {**CHILD_KWARGS, "host_budget": 20480, "offload_parameters": True}
 
 
 def compact_net() -> torch.nn.Module:
@@ -66,6 +70,8 @@ def main(swap_dir: str, recipe: str = "adamw") -> None:
     _, model = make_models()
     if recipe == "muon":
         opt = SwapOptimizer(muon_groups(model), torch.optim.AdamW, swap_dir=swap_dir, **MUON_KWARGS)
+    elif recipe == "stream":
+        opt = SwapOptimizer(model, torch.optim.AdamW, swap_dir=swap_dir, **STREAM_KWARGS)
     elif recipe == "8bit":
         model = compact_net()
         opt = SwapOptimizer(

@@ -233,7 +233,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._requests = persist.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self.tier = DEVICE if config.device_bytes > 0 else HOST
+        self.tier = DEVICE if config.state_device_bytes > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
         # recording stand-in here to check the GPU path's ordering without a GPU.
@@ -272,7 +272,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             durable=config.durable,
             resume=config.resume,
             chunk_bytes=layout.chunk_bytes,
-            device_budget=config.device_bytes,
+            device_budget=config.state_device_bytes,
             device=self.compute_device,
             transfers=self._transfers,
             work_on_device=self.tier == DEVICE,
@@ -337,7 +337,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         return plan_layout(
             slots,
             host_budget=host_budget,
-            device_budget=config.device_bytes,
+            device_budget=config.state_device_bytes,
             policy=config.policy,
             chunk_bytes=chunk_bytes,
             forward_order=config.overlap == "forward",

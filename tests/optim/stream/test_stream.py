@@ -6,6 +6,8 @@ stream), with clipping, tied weights, activation checkpointing, accumulation and
 from __future__ import annotations
 
 import copy
+import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -384,5 +386,102 @@ def test_a_gradient_larger_than_the_room_beside_resident_slices_is_kept(tmp_path
             o.zero_grad()
     assert opt.placement  # some slices stay resident
     assert len(opt.placement) < len(opt.slices)  # the others stream
+    opt.close()
+    assert_same_params(ref, model)
+
+
+class _Random(torch.nn.Module):
+    """Linear layers of random widths, one of them frozen, with LayerNorms between."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        widths = [8] + [rng.choice([16, 96, 700]) for _ in range(rng.randint(2, 4))] + [4]
+        layers: list[torch.nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layers += [torch.nn.Linear(a, b), torch.nn.LayerNorm(b)]
+        self.layers = torch.nn.ModuleList(layers)
+        frozen = rng.randrange(len(layers))
+        for p in self.layers[frozen].parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("STREAM_SEEDS", "6"))))
+def test_random_training_schedules_match_torch(tmp_path: Path, seed: int) -> None:
+    """Random models, budgets, policies, backward passes per step, clipping, evaluations,
+    model.zero_grad() between passes, commits and state dicts: in lock-step with torch."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    ref = _Random(rng)
+    model = copy.deepcopy(ref)
+    plain = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **KWARGS)
+    budget = rng.choice([20480, 65536, 256 << 10, None])
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=budget,
+        policy=rng.choice(["lookahead", "lru"]), overlap=rng.choice(["auto", None]),
+        device_budget=rng.choice([0, 0, 30_000, 1 << 20]),
+        commit_every=rng.choice([0, 1, 3]), offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(5):
+        passes = rng.randint(1, 3)
+        for p in range(passes):
+            x = torch.randn(3, 8, generator=gen)
+            if p and rng.random() < 0.3:  # a pass thrown away
+                for m in (ref, model):
+                    m.zero_grad()
+            for m in (ref, model):
+                m(x).square().mean().backward()
+        clip = rng.choice([None, 0.01, 100.0])
+        if clip is not None:
+            assert torch.equal(_clip(ref, plain, clip), _clip(model, opt, clip))
+        for o in (plain, opt):
+            o.step()
+            o.zero_grad()
+        if rng.random() < 0.5:
+            x = torch.randn(2, 8, generator=gen)
+            with torch.no_grad():
+                assert torch.equal(ref(x), model(x)), step
+        if rng.random() < 0.3:
+            opt.commit()
+        if rng.random() < 0.3:
+            _same_state_dicts(ref, model)
+        assert _held(model) == opt.tier_stats()["parameters"]["kept_bytes"]
+    opt.close()
+    assert_same_params(ref, model)
+
+
+@pytest.mark.parametrize("device_budget", [0, 40_000, 1 << 20], ids=["none", "some", "all"])
+def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_budget: int) -> None:
+    """``device_budget`` holds parameters between uses, those used soonest first (Belady on the
+    order recorded over the first iteration); the step updates the kept ones in place, and
+    what is kept is read no more."""
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
+        device_budget=device_budget, offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    total = sum(p.numel() * 4 for p in model.parameters())
+    fetched = []
+    for step in range(4):
+        norm = _train(ref, plain, step, 0.5)
+        assert torch.equal(_train(model, opt, step, 0.5), norm)
+        stats = opt.tier_stats()["parameters"]
+        assert stats["kept_bytes"] <= device_budget
+        assert _held(model) == stats["kept_bytes"]
+        fetched.append(stats["fetched_bytes"])
+    per_step = fetched[-1] - fetched[-2]
+    if device_budget == 0:
+        assert per_step >= 2 * total  # forward and backward read every parameter
+    elif device_budget >= total:
+        assert per_step == 0  # everything stays
+    else:
+        assert 0 < per_step < 2 * total
+    _same_state_dicts(ref, model)
     opt.close()
     assert_same_params(ref, model)

@@ -449,7 +449,9 @@ def _collect(
     if slot.remainder:
         writes.update(_split_master(plan, seg, target, tensors))
     elif slot.has_master:
-        if not slot.streamed:  # a streamed parameter is read from its master before each use
+        # A streamed parameter is read from its master before each use, unless it kept its
+        # values (device_budget): then they are updated as any parameter's.
+        if not slot.streamed or slot.param.untyped_storage().nbytes() > 0:
             flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         writes[_region(slot.master_key, seg)] = target.view(-1)
     elif plan.write_params:

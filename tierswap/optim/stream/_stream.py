@@ -86,6 +86,10 @@ class ParameterStream:
         self._ahead: set[Any] = set()  # names of the jobs read ahead
         self._handles: list[Any] = []
         self._accumulating: set[int] = set()  # slots whose kept gradient this pass adds to
+        #: ``device_budget``: the bytes of parameters kept between uses.
+        self._budget = parts.config.device_bytes
+        self._kept: set[int] = set()  # slots whose parameter keeps its values between uses
+        self._uses: dict[int, list[int]] = {}  # slot -> its positions in the recorded order
         #: The 2-norm of each kept gradient (for ``clip_grad_norm_``), by slot index.
         self.norms: dict[int, torch.Tensor] = {}
         self.kept_grad_bytes = 0  # gradients put in the swap space
@@ -140,7 +144,7 @@ class ParameterStream:
         owned = self._modules[position][1]
         self._users.subtract(owned)
         if not self._in_backward:
-            self._free([i for i in owned if self._users[i] <= 0])
+            self._let_go([i for i in owned if self._users[i] <= 0])
         if torch.is_grad_enabled():
             ref = weakref.ref(self)
             for tensor in tree_leaves(output):
@@ -181,14 +185,14 @@ class ParameterStream:
                 self.norms[slot.index] = _norm(grad)
             param.grad = OffloadedGradient(param)
         if self._users[slot.index] <= 0:
-            self._free([slot.index])
+            self._let_go([slot.index])
 
     def end_backward(self) -> None:
         """Backward ended: free what it read (frozen parameters, which have no gradient
         hook, and those whose gradient never came)."""
         self._in_backward = False
         self._seen_in_backward.clear()
-        self._free([i for i in list(self._live) if self._users[i] <= 0])
+        self._let_go([i for i in self._live if self._users[i] <= 0 and i not in self._kept])
 
     def _take_back_gradients(self) -> None:
         """A backward pass begins: the gradients kept since the last ``zero_grad()`` are the
@@ -228,7 +232,11 @@ class ParameterStream:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
         recording of the order of uses."""
         self.drop_ahead()
-        self._recording = False
+        if self._recording:
+            self._recording = False
+            for position, module in enumerate(self._order):
+                for index in self._modules[module][1]:
+                    self._uses.setdefault(index, []).append(position)
         self._cursor = 0
 
     def drop_ahead(self) -> None:
@@ -240,6 +248,7 @@ class ParameterStream:
     def reset(self) -> None:
         """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
         self.drop_ahead()
+        self._kept.clear()
         self._free(list(self._live))
 
     def stats(self) -> dict[str, Any]:
@@ -247,6 +256,7 @@ class ParameterStream:
         resident slices since the start, bytes held now and at most."""
         return {
             "streamed": sum(len(owned) for _, owned in self._modules),
+            "kept_bytes": sum(nbytes(self._slot(i).param) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
             "kept_grad_bytes": self.kept_grad_bytes,
@@ -319,7 +329,9 @@ class ParameterStream:
         self.fetched_bytes += sum(t.numel() * t.element_size() for t in into.values())
 
     def _fetch(self, indices: list[int]) -> None:
-        """Give the parameters of slots ``indices`` that hold no values their values."""
+        """Give the parameters of slots ``indices`` that hold no values their values (those
+        kept between uses have them)."""
+        self._kept.difference_update(indices)
         missing = [i for i in indices if i not in self._live]
         if not missing:
             return
@@ -332,6 +344,31 @@ class ParameterStream:
         self._live.update(missing)
         self.live_bytes += sum(nbytes(self._slot(i).param) for i in missing)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _let_go(self, indices: Iterable[int]) -> None:
+        """The parameters of slots ``indices`` are not in use any more: keep those whose next
+        use comes soonest within ``device_budget`` (Belady on the recorded order, among them
+        and those kept already), free the others."""
+        idle = self._kept | set(indices)
+        if not self._budget or self._recording:
+            self._free(idle)
+            self._kept.clear()
+            return
+        room, kept = self._budget, set()
+        for index in sorted(idle, key=self._next_use):
+            size = nbytes(self._slot(index).param)
+            if size <= room:
+                kept.add(index)
+                room -= size
+        self._free(idle - kept)
+        self._kept = kept
+
+    def _next_use(self, index: int) -> int:
+        """Uses of modules until the parameter of slot ``index`` is used again (the order of
+        uses is cyclic: the next iteration repeats it)."""
+        uses, cycle = self._uses.get(index, []), len(self._order)
+        later = [u for u in uses if u >= self._cursor]
+        return (later[0] if later else uses[0] + cycle) - self._cursor if uses else 2 * cycle
 
     def _free(self, indices: Iterable[int]) -> None:
         for index in indices:
