@@ -112,6 +112,8 @@ MODES: dict[str, dict[str, Any]] = {
     # swap folder; clipping, with --clip, through opt.clip_grad_norm_)
     "stream": {"offload_parameters": True},
     "stream-fused": {"offload_parameters": True, "fused": True},
+    # ... with 256 MiB of parameters kept between uses (device_budget: Belady on their order)
+    "stream-kept": {"offload_parameters": True, "device_budget": "256MiB"},
     # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
     "striped": {},
     "fused-striped": {"fused": True},
