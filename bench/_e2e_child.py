@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -241,6 +242,12 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "phases": phases}
 
 
+#: ``offload_param``'s swap buffers (one parameter each): 5 runs GPT-2 4 x 1024 with
+#: ``max_in_cpu`` at its default; at 24 x 2048, 5 ran out ("Not enough buffers") and 16
+#: (6.6 GB pinned) outgrew 24 GiB of RAM. ``TIERSWAP_DS_BUFFERS`` overrides it.
+BUFFERS = int(os.environ.get("TIERSWAP_DS_BUFFERS", "5"))
+
+
 def deepspeed_config(
     args: argparse.Namespace, pipelined: bool, offload_param: bool = False
 ) -> dict[str, Any]:
@@ -282,7 +289,7 @@ def deepspeed_config(
             "device": "nvme",
             "nvme_path": args.dir,
             "pin_memory": True,
-            "buffer_count": 16,  # 5 and 8 ran out on a 4 x 1024 GPT-2 ("Not enough buffers")
+            "buffer_count": BUFFERS,
             "buffer_size": 50304 * args.gpt2_width,  # the largest parameter: the embedding
         }  # max_in_cpu left at its default: with 0, 0.19.8's first forward runs out of
         # buffers (its swapped-in parameters are never let go: DeepSpeed issue 3062)

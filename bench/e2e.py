@@ -268,7 +268,8 @@ def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     """The configurations to run, and a note when DeepSpeed's are skipped."""
     fused = any(MODES[mode].get("fused") for mode in args.modes)
     compute = ["compute"] if args.model == "gpulike" else []
-    configs = [*compute, "ram", *(["ram-fused"] if fused else []), *args.modes]
+    ram = [] if args.no_ram else ["ram", *(["ram-fused"] if fused else [])]
+    configs = [*compute, *ram, *args.modes]
     if args.no_deepspeed:
         return configs, "DeepSpeed skipped (--no-deepspeed)"
     missing = _deepspeed_missing(args.deepspeed_python)
@@ -518,6 +519,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="interpreter with torch + deepspeed (default: this one)",
     )
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed runs")
+    p.add_argument(
+        "--no-ram", action="store_true",
+        help="skip the in-RAM baselines (a model whose state does not fit in RAM)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="runs of every configuration")
     p.add_argument("--iters", type=int, default=6, help="iterations per run; 2..iters count")
     p.add_argument("--host-budget", type=parse_size, default="128MiB")

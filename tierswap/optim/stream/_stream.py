@@ -23,8 +23,12 @@ noted for ``clip_grad_norm_``, and ``param.grad`` gets an :class:`OffloadedGradi
 the step reads the gradient with the slice's state. Backward passes that accumulate add to the
 kept gradient, as torch adds into ``param.grad``.
 
-Not yet: the materialized parameters are not counted in the device budget, and parameters used
-outside the forward of the modules that own them are not read for that use.
+``device_budget`` keeps parameters between uses: when some are done with, those idle ones
+whose next use in the recorded order comes soonest keep their values (Belady, within the
+budget); the step updates a kept parameter in place, so it is read no more.
+
+Not yet: the parameters in use come on top of ``device_budget``, and a parameter used outside
+the forward of the modules that own it is not read for that use.
 """
 
 from __future__ import annotations
