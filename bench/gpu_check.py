@@ -27,6 +27,11 @@ status is non-zero when any check fails. Checks:
      step() checks them; bitwise equal to overlap=None with clipping that never and that
      always triggers (nothing redone / slices redone), with CUDA-event seconds of backward
      under both (the hooks must not block it: compare the two).
+ 10. parameter streaming (offload_parameters=True, issue 30): bitwise equal to the same
+     optimizer that does not stream, torch's clipping on; no parameter holds device memory
+     between steps, and the training's peak device bytes drop by at least the parameters'
+     (their gradients leave too). The copies to the device are synchronous so far: no
+     copy/compute overlap to time yet.
 
 On --device cpu (a dry run) the same checks run their code paths on the CPU; timings are
 wall clock and the overlap figures are not measured.
@@ -369,6 +374,43 @@ def check_device_memory(folder: Path, steps: int) -> None:
            device_budget=device_budget)  # fmt: skip
 
 
+def check_parameter_streaming(folder: Path, steps: int) -> None:
+    """offload_parameters=True on the device: bitwise equal to the same optimizer that does not
+    stream (both step fp32 masters on the host), clipping included; the parameters hold no
+    device memory between steps, and the training peak drops by about the parameters and
+    gradients (on the GPU, the peak device bytes; on the CPU dry run, not measured)."""
+    plain_model = make_model(width=2048, depth=6)
+    swap_model = copy.deepcopy(plain_model)
+    data = batches(steps, width=2048)
+    peaks = {}
+    for name, model in (("plain", plain_model), ("stream", swap_model)):
+        streamed = name == "stream"
+        opt = ts.SwapOptimizer(
+            model if streamed else model.parameters(), torch.optim.AdamW, lr=1e-3,
+            swap_dir=folder / f"stream-{name}", host_budget="64MiB", durable=False,
+            offload_parameters=streamed,
+        )  # fmt: skip
+        with opt:
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            for x in data:
+                loss_of(model, x).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+            sync()
+            held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+            peaks[name] = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+            stats = opt.tier_stats().get("parameters", {})
+    param_bytes = sum(p.numel() * 4 for p in plain_model.parameters())
+    ok = same(plain_model.parameters(), swap_model.parameters()) and held == 0
+    if DEVICE == "cuda":  # parameters and gradients (2 x param_bytes) leave, the largest stays
+        ok = ok and peaks["stream"] <= peaks["plain"] - param_bytes
+    record("parameter streaming: bitwise, no parameter memory between steps, lower peak",
+           ok, steps=steps, peak_plain=peaks["plain"], peak_stream=peaks["stream"],
+           param_bytes=param_bytes, streamed_peak_bytes=stats.get("peak_bytes"))  # fmt: skip
+
+
 class _TimedTransfers(CudaTransfers):
     """CUDA's transfer layer with an event pair around each host-to-device copy on its upload
     stream, so that copies and steps can be laid on one GPU timeline."""
@@ -506,6 +548,7 @@ def main() -> int:
         lambda: check_overlap(folder, args.steps),
         lambda: check_speculation(folder, args.steps),
         lambda: check_copy_overlap(folder, args.steps),
+        lambda: check_parameter_streaming(folder, args.steps),
     ]
     if DEVICE == "cuda":
         checks += [lambda: check_pinned(folder), lambda: check_device_memory(folder, args.steps)]

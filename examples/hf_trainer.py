@@ -73,12 +73,15 @@ def train(
     save_total_limit: int | None = None,
     resume: str | Path | None = None,
     muon: bool = False,
+    stream: bool = False,
 ) -> tuple[Trainer, GPT2LMHeadModel]:
     """Train with a SwapOptimizer, or with plain AdamW when ``swap_dir`` is ``None``.
 
     ``save_steps`` > 0 saves a checkpoint every that many steps (keeping ``save_total_limit``);
     ``resume`` is a checkpoint folder to resume from. ``muon`` steps the blocks' matrices with
-    torch.optim.Muon and the rest with AdamW, in the one optimizer the Trainer takes.
+    torch.optim.Muon and the rest with AdamW, in the one optimizer the Trainer takes. ``stream``
+    streams the parameters and gradients too (``offload_parameters=True``: the model is given;
+    the Trainer's clipping works on the gradients kept in the swap folder).
     """
     model = make_model(**(model_kwargs or {}))
     dataset = RandomTokens(64, model.config.n_positions, model.config.vocab_size)
@@ -86,8 +89,9 @@ def train(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         params = muon_groups(model) if muon else model.named_parameters()
-        opt = ts.SwapOptimizer(params, torch.optim.AdamW, lr=1e-3,
-                               swap_dir=swap_dir, host_budget=host_budget)  # fmt: skip
+        opt = ts.SwapOptimizer(model if stream else params, torch.optim.AdamW, lr=1e-3,
+                               swap_dir=swap_dir, host_budget=host_budget,
+                               offload_parameters=stream)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
         logging_steps=1, report_to=[], use_cpu=True, seed=0,
@@ -113,11 +117,12 @@ def main() -> None:
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     parser.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices")
+    parser.add_argument("--stream", action="store_true", help="stream the parameters too")
     args = parser.parse_args()
     trainer, _ = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,
                        host_budget=args.host_budget, save_steps=args.save_steps,
                        save_total_limit=args.save_total_limit, resume=args.resume,
-                       muon=args.muon)  # fmt: skip
+                       muon=args.muon, stream=args.stream)  # fmt: skip
     last = trainer.state.log_history[-2]  # the last training-step entry (the final is a summary)
     print({k: v for k, v in last.items() if k.startswith(("loss", "tierswap/"))})
     ts_opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else None

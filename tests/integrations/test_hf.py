@@ -52,6 +52,31 @@ def test_trainer_with_swap_optimizer_matches_plain_adamw(tmp_path) -> None:
         opt.close()
 
 
+def test_trainer_streaming_parameters_matches_plain_adamw(tmp_path) -> None:
+    """offload_parameters=True under the Trainer: its clipping (max_grad_norm=1.0, through
+    Accelerate to torch's clip_grad_norm_) works on the gradients in the swap folder."""
+    example = _example()
+    _, plain_model = example.train(None, steps=3, output_dir=tmp_path / "a", model_kwargs=TINY)
+    swap, swap_model = example.train(
+        tmp_path / "swap", steps=3, output_dir=tmp_path / "b", host_budget="256KiB",
+        model_kwargs=TINY, stream=True,
+    )  # fmt: skip
+    opt = find_swap_optimizer(swap.optimizer)
+    assert isinstance(opt, SwapOptimizer)
+    try:
+        assert all(p.untyped_storage().nbytes() == 0 for p in swap_model.parameters())
+        state = swap_model.state_dict()  # read from the swap folder
+        for name, value in plain_model.state_dict().items():
+            assert torch.equal(state[name], value), name
+        logged = [entry for entry in swap.state.log_history if "loss" in entry]
+        assert logged[-1]["tierswap/parameters_kept_grad_bytes"] > 0
+        assert "grad_norm" in logged[-1]
+    finally:
+        opt.close()
+    for a, b in zip(plain_model.parameters(), swap_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_flatten_stats_keeps_numbers_only() -> None:
     flat = flatten_stats({"host": {"hits": 2, "name": "x"}, "stall_seconds": 0.5, "on": True})
     assert flat == {"tierswap/host_hits": 2.0, "tierswap/stall_seconds": 0.5}

@@ -143,11 +143,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         the model): between uses a parameter holds no memory (its shape, dtype and identity
         stay); each module's parameters are read from the swap space just before its forward
         and again when backward reaches it, and freed after; the step updates them there.
+        Gradients go to the swap space as backward finalizes them (``param.grad`` holds a
+        stand-in, on which torch's ``clip_grad_norm_`` works); ``device_budget`` then keeps
+        the parameters used soonest between uses, instead of optimizer state.
         ``model.state_dict()`` reads them; :meth:`close` gives them back to the model. Bitwise
-        equal to the plain optimizer. So far: gradients stay in memory until the step, the
-        step runs after backward (no speculation), ``master="remainder"`` and
-        ``add_param_group`` are refused, and a parameter must be used inside the forward of a
-        module that owns it. ``docs/optimizer.md``, "Streaming parameters".
+        equal to the plain optimizer. So far: the step runs after backward (no speculation),
+        ``master="remainder"`` and ``add_param_group`` are refused, a ``GradScaler`` cannot
+        unscale the kept gradients (it raises), and a parameter must be used inside the
+        forward of a module that owns it.
+        ``docs/optimizer.md``, "Streaming parameters".
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -432,33 +436,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         error_if_nonfinite: bool = False,
         foreach: bool | None = None,
     ) -> torch.Tensor:
-        """Clip the gradients of every parameter as ``torch.nn.utils.clip_grad_norm_`` over
-        them does (same total norm, same factor, bitwise); returns the total norm.
-
-        With ``offload_parameters`` the gradients live in the swap space, so torch's function
-        would see none: this one takes the 2-norm of each gradient noted as backward finalized
-        it and scales the gradients as the next step reads them. Without it, it calls torch's
-        on the parameters (``foreach`` is passed on)."""
-        if self._stream is None:
-            params = [p for group in self.param_groups for p in group["params"]]
-            return torch.nn.utils.clip_grad_norm_(
-                params, max_norm, norm_type, error_if_nonfinite, foreach
-            )
-        if self._state.grad_scales:
-            raise ConfigError(
-                "clip_grad_norm_ was already called for this step; with offload_parameters=True "
-                "clip once between backward and step()"
-            )
-        total = self._stream.total_norm(norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._state.grad_scales.append(factor)
-        return total
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer; returns
+        the total norm. With ``offload_parameters`` torch's function works on the stand-ins in
+        ``param.grad`` (:class:`~tierswap.optim.stream.OffloadedGradient`): each answers its
+        gradient's norm from the swap space and records the factor, which the step applies as
+        it reads the gradient; bitwise what it does to gradients in memory."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite, foreach
+        )
 
     def synchronize(self) -> None:
         """Wait until the last step is done, its writes included (the step returns while its

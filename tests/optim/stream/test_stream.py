@@ -49,9 +49,7 @@ def _pair(seed: int = 0) -> tuple[Net, Net]:
 
 
 def _clip(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """Clip as a user does: torch's function in memory, the optimizer's when it streams."""
-    if isinstance(opt, SwapOptimizer) and opt._stream is not None:
-        return opt.clip_grad_norm_(max_norm)
+    """Clip as a user does: torch's function (on streamed gradients too)."""
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
@@ -311,29 +309,42 @@ def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
     opt.close()
 
 
-def test_gradients_live_in_the_swap_space_and_torch_clipping_is_stopped(tmp_path: Path) -> None:
-    _, model = _pair()
+def test_gradients_live_in_the_swap_space_and_clipping_reads_them_there(tmp_path: Path) -> None:
+    """No gradient memory after backward; torch's clipping (its per-tensor and foreach paths,
+    any norm, twice) and the optimizer's give the total norms and factors torch gives in
+    memory; other uses of a kept gradient raise."""
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
     opt = SwapOptimizer(
         model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
         offload_parameters=True, **KWARGS,
     )  # fmt: skip
-    model(batch_for_step(0)).square().mean().backward()
-    grads = [p.grad for p in model.parameters()]
-    assert all(isinstance(g, OffloadedGradient) for g in grads)  # no gradient memory in RAM
-    assert opt.tier_stats()["parameters"]["kept_grad_bytes"] == sum(
-        p.numel() * 4 for p in model.parameters()
-    )
-    with pytest.raises(GradientOffloadedError, match=r"opt\.clip_grad_norm_\(max_norm\)"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.raises(ConfigError, match="norm_type"):
-        opt.clip_grad_norm_(1.0, norm_type=1.0)
-    opt.clip_grad_norm_(1.0)
-    with pytest.raises(ConfigError, match="already called"):
-        opt.clip_grad_norm_(1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # kept gradients are dropped, never zeroed in place
-    assert all(p.grad is None for p in model.parameters())
+    for step in range(3):
+        for m in (ref, model):
+            m(batch_for_step(step)).square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(isinstance(g, OffloadedGradient) for g in grads)  # no gradient in RAM
+        assert opt.tier_stats()["parameters"]["kept_grad_bytes"] == (step + 1) * sum(
+            p.numel() * 4 for p in model.parameters()
+        )
+        with pytest.raises(GradientOffloadedError, match="GradScaler"):
+            grads[0].add_(1.0)
+        for kwargs in ({"norm_type": float("inf")}, {"foreach": True}, {}):
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, **kwargs)
+            got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, **kwargs)
+            assert torch.equal(got, want), kwargs  # clipped thrice: norms read back after one
+        assert torch.equal(opt.clip_grad_norm_(0.01), plain_clip(ref, 0.01))
+        for o in (plain, opt):
+            o.step()
+        opt.zero_grad(set_to_none=False)  # kept gradients are dropped, never zeroed in place
+        plain.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
     opt.close()
+    assert_same_params(ref, model)
+
+
+def plain_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def test_model_zero_grad_between_backward_passes_drops_the_kept_gradients(tmp_path: Path) -> None:

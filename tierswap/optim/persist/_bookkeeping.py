@@ -42,9 +42,9 @@ class StepState:
     params_written: set[int] = dataclasses.field(default_factory=set)
     #: The state changed outside ``step()`` (a loaded state dict) since the last commit.
     changed: bool = False
-    #: Factors the gradients kept in the swap space are multiplied by before the next step
-    #: (``clip_grad_norm_`` with ``offload_parameters``), in order.
-    grad_scales: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Factors each gradient kept in the swap space (by slot) is multiplied by before the
+    #: next step reads it (clipping, with ``offload_parameters``), in order.
+    grad_scales: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
 
     def holds_state(self) -> bool:
         """Whether any slot has state (per-element or scalar)."""
@@ -74,7 +74,7 @@ class StepState:
             write_params=write_params,
             create=create,
             chunk_bytes=chunk_bytes,
-            grad_scales=tuple(self.grad_scales),
+            grad_scales={i: tuple(f) for i, f in self.grad_scales.items()},
         )
 
     def restore(

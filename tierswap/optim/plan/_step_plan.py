@@ -38,6 +38,6 @@ class StepPlan:
     #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
     #: returned); ``None``: read ``param.grad`` when the slice steps.
     grads: dict[int, torch.Tensor | None] | None = None
-    #: Factors a gradient read from the swap space (a streamed parameter's) is multiplied by,
-    #: in order, before it steps: what ``clip_grad_norm_`` does to gradients in memory.
-    grad_scales: tuple[torch.Tensor, ...] = ()
+    #: Factors a gradient read from the swap space (a streamed parameter's, by slot) is
+    #: multiplied by, in order, before it steps: what clipping does to gradients in memory.
+    grad_scales: dict[int, tuple[Any, ...]] = dataclasses.field(default_factory=dict)

@@ -294,8 +294,8 @@ def _target(
     slot = seg.slot
     if slot.keeps_grad:  # read with the slice, scaled in place as clipping scales a gradient
         grad = _shaped(slot, tensors[_region(slot.grad_key, seg)])
-        for factor in plan.grad_scales:
-            grad.mul_(factor.to(grad.device))
+        for factor in plan.grad_scales.get(slot.index, ()):
+            grad.mul_(factor.to(grad.device) if torch.is_tensor(factor) else factor)
     else:
         whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
         assert whole_grad is not None  # plan.live holds only slots whose gradient is final

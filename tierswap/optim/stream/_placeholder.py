@@ -1,39 +1,67 @@
 """What ``param.grad`` holds while a streamed parameter's gradient lives in the swap space.
 
-A tensor of the gradient's shape, dtype and device, without memory, which refuses every
-operation with :class:`~tierswap.errors.GradientOffloadedError`. ``param.grad is not None``
-still says that the parameter has a gradient (what ``step()`` and trainers look at), while
-code that would read or change the gradient in memory (``torch.nn.utils.clip_grad_norm_``,
-``GradScaler.unscale_``, an in-place edit) stops with a message that says what to write
-instead, rather than silently clipping nothing.
+A tensor of the gradient's shape, dtype and device, without memory. ``param.grad is not None``
+still says that the parameter has a gradient (what ``step()`` and trainers look at), and
+global-norm clipping works on it as it does on a gradient in memory, bitwise:
+``torch.nn.utils.clip_grad_norm_`` (which the Hugging Face Trainer, Accelerate and Lightning
+call) takes each gradient's norm, which the stand-in answers from the swap space (the 2-norm
+noted as backward finalized the gradient, else the gradient read back), and multiplies each
+gradient by the clipping factor in place, which the stand-in records for the step to apply
+as it reads the gradient. Any other operation (``GradScaler.unscale_``, an edit, a read of
+the values) raises :class:`~tierswap.errors.GradientOffloadedError`: it would not see the
+gradient, and must not silently do nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import weakref
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from tierswap.errors import GradientOffloadedError
 
-__all__ = ["OffloadedGradient"]
+__all__ = ["GradientKeeper", "OffloadedGradient"]
+
+_aten = torch.ops.aten
+#: In-place multiplications by one factor: what clipping does to each gradient.
+_SCALES = {_aten.mul_.Tensor, _aten.mul_.Scalar}
+_LIST_SCALES = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
+
+
+class GradientKeeper(Protocol):
+    """Who keeps the gradients (:class:`~tierswap.optim.stream.ParameterStream`)."""
+
+    def grad_norm(self, index: int, ord: float) -> torch.Tensor:
+        """The ``ord``-norm of slot ``index``'s kept gradient, scaled as recorded."""
+        ...
+
+    def scale_grad(self, index: int, factor: Any) -> None:
+        """Record that slot ``index``'s kept gradient is multiplied by ``factor``."""
+        ...
 
 
 class OffloadedGradient(torch.Tensor):
-    """The stand-in gradient of a parameter whose gradient the swap space keeps."""
+    """The stand-in gradient of the parameter of slot ``index``, whose gradient ``keeper``
+    keeps in the swap space."""
 
     _MESSAGE: ClassVar[str] = (
         "this gradient lives in the swap space (offload_parameters=True keeps gradients off "
-        "the model), so {op} would not see it: clip with opt.clip_grad_norm_(max_norm) instead "
-        "of torch.nn.utils.clip_grad_norm_; GradScaler and in-place edits of gradients are not "
+        "the model), so {op} would not see it; clipping (torch.nn.utils.clip_grad_norm_ or "
+        "opt.clip_grad_norm_) works, GradScaler and other uses of param.grad are not "
         "supported with offload_parameters yet"
     )
 
+    _keeper: weakref.ref[GradientKeeper]
+    _index: int
+
     @staticmethod
-    def __new__(cls, param: torch.Tensor) -> OffloadedGradient:
+    def __new__(cls, param: torch.Tensor, keeper: GradientKeeper, index: int) -> OffloadedGradient:
         made: OffloadedGradient = torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device
         )
+        made._keeper = weakref.ref(keeper)
+        made._index = index
         return made
 
     @classmethod
@@ -44,7 +72,48 @@ class OffloadedGradient(torch.Tensor):
         args: Any = (),
         kwargs: Any = None,
     ) -> Any:
+        kwargs = kwargs or {}
+        grad: Any = args[0] if args else None
+        if _all_offloaded(grad) and not kwargs:  # foreach=True clipping
+            if func is _aten._foreach_norm.Scalar and len(args) <= 2:
+                return [g._keeper_or_raise(func).grad_norm(g._index, _ord(args)) for g in grad]
+            if func in _LIST_SCALES and len(args) == 2 and _is_factor(args[1]):
+                for g in grad:
+                    g._keeper_or_raise(func).scale_grad(g._index, args[1])
+                return None
+        if isinstance(grad, OffloadedGradient) and not kwargs:
+            if func is _aten.linalg_vector_norm.default and len(args) <= 2:
+                return grad._keeper_or_raise(func).grad_norm(grad._index, _ord(args))
+            if func in _SCALES and len(args) == 2 and _is_factor(args[1]):
+                grad._keeper_or_raise(func).scale_grad(grad._index, args[1])
+                return grad
         raise GradientOffloadedError(cls._MESSAGE.format(op=func))
+
+    def _keeper_or_raise(self, func: Any) -> GradientKeeper:
+        keeper = self._keeper()
+        if keeper is None:  # the optimizer is gone, and its swap space with it
+            raise GradientOffloadedError(self._MESSAGE.format(op=func))
+        return keeper
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"OffloadedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _all_offloaded(value: Any) -> bool:
+    """A non-empty list of stand-ins (what the foreach operations get)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(g, OffloadedGradient) for g in value)
+    )
+
+
+def _ord(args: tuple[Any, ...]) -> float:
+    return float(args[1]) if len(args) > 1 else 2.0
+
+
+def _is_factor(value: Any) -> bool:
+    """A number, or a tensor of one element (clipping's factor, on any device)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not isinstance(value, OffloadedGradient)
+    return isinstance(value, (int, float))

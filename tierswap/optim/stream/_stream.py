@@ -19,8 +19,9 @@ Reads started ahead are dropped when a step begins, since the step rewrites the 
 Gradients never pile up: as backward finalizes a parameter's gradient (the optimizer's
 post-accumulate-grad hook), the gradient goes to the swap space too (into its resident slice,
 or written behind to the store from pooled host buffers within the host budget), its 2-norm is
-noted for ``clip_grad_norm_``, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in:
-the step reads the gradient with the slice's state. Backward passes that accumulate add to the
+noted, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in, on which torch's
+clipping works (it asks the norms and records the factor); the step reads the gradient with
+the slice's state and applies the factors. Backward passes that accumulate add to the
 kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` keeps parameters between uses: when some are done with, those idle ones
@@ -43,7 +44,6 @@ import torch
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
-from tierswap.errors import ConfigError
 from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts
 from tierswap.optim.plan import Segment, Slot, master_dtype
@@ -181,13 +181,12 @@ class ParameterStream:
         grad = param.grad
         if grad is not None and not isinstance(grad, OffloadedGradient):
             with torch.no_grad():
-                if slot.index in self._accumulating:
-                    kept = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-                    self._read_into({slot.index: kept.view(-1)}, grad=True)
-                    grad = kept.add_(grad)
+                if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
+                    grad = self._kept_grad(slot.index).add_(grad)
+                self.parts.state.grad_scales.pop(slot.index, None)
                 self._keep_grad(slot, grad)
-                self.norms[slot.index] = _norm(grad)
-            param.grad = OffloadedGradient(param)
+                self.norms[slot.index] = _norm(grad, 2.0)
+            param.grad = OffloadedGradient(param, self, slot.index)
         if self._users[slot.index] <= 0:
             self._let_go([slot.index])
 
@@ -210,27 +209,30 @@ class ParameterStream:
                     self._accumulating.add(index)
                     param.grad = None
 
-    def total_norm(self, norm_type: float) -> torch.Tensor:
-        """The 2-norm of the kept gradients (those with a stand-in in ``param.grad``), as
-        ``torch.nn.utils.get_total_norm`` computes it over ``model.parameters()``: the norms of
-        each gradient, grouped by device and dtype in order of first appearance, stacked on the
-        first one's device."""
-        if float(norm_type) != 2.0:
-            raise ConfigError(
-                f"clip_grad_norm_ with offload_parameters=True computes 2-norms (the norms of "
-                f"the gradients are taken as backward finalizes them); norm_type={norm_type!r}"
-            )
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for slot in self.parts.layout.slots:
-            param = slot.param
-            if isinstance(param.grad, OffloadedGradient) and slot.index in self.norms:
-                groups.setdefault((param.device, param.dtype), []).append(self.norms[slot.index])
-        norms = [norm for group in groups.values() for norm in group]
-        if not norms:
-            return torch.tensor(0.0)
-        first = norms[0].device
-        total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
-        return total
+    def grad_norm(self, index: int, ord: float) -> torch.Tensor:
+        """The ``ord``-norm of slot ``index``'s kept gradient, as torch would compute it on the
+        gradient in memory (:func:`_norm`): the 2-norm noted as backward finalized it, or, after
+        a recorded factor or for another norm, computed on the gradient read back."""
+        factors = self.parts.state.grad_scales.get(index)
+        if ord == 2.0 and not factors and index in self.norms:
+            return self.norms[index].clone()
+        return _norm(self._kept_grad(index), ord)
+
+    def scale_grad(self, index: int, factor: Any) -> None:
+        """Record that slot ``index``'s kept gradient is multiplied by ``factor`` in place (the
+        step, or a later accumulation, applies it)."""
+        factor = factor.detach().clone() if isinstance(factor, torch.Tensor) else factor
+        self.parts.state.grad_scales.setdefault(index, []).append(factor)
+
+    def _kept_grad(self, index: int) -> torch.Tensor:
+        """Slot ``index``'s kept gradient, read back, with its recorded factors applied (and
+        forgotten: the caller keeps the result in their place)."""
+        param = self._slot(index).param
+        grad = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        self._read_into({index: grad.view(-1)}, grad=True)
+        for factor in self.parts.state.grad_scales.get(index, ()):
+            grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
+        return grad
 
     def step_begins(self) -> None:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
@@ -434,14 +436,14 @@ def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
     return Region(slot.grad_key if grad else slot.master_key, seg.start, seg.stop)
 
 
-def _norm(grad: torch.Tensor) -> torch.Tensor:
-    """``grad``'s 2-norm as ``torch.nn.utils.get_total_norm`` takes each gradient's: with
-    ``torch._foreach_norm`` where torch would use it, else ``torch.linalg.vector_norm``."""
+def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
+    """``grad``'s ``ord``-norm as ``torch.nn.utils.get_total_norm`` takes each gradient's:
+    with ``torch._foreach_norm`` where torch would use it, else ``torch.linalg.vector_norm``."""
     norm: torch.Tensor
     if _has_foreach_support([grad], grad.device):
-        norm = torch._foreach_norm([grad], 2.0)[0]
+        norm = torch._foreach_norm([grad], ord)[0]
     else:
-        norm = torch.linalg.vector_norm(grad, 2.0)
+        norm = torch.linalg.vector_norm(grad, ord)
     return norm
 
 
