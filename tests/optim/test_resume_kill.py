@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,20 @@ def _run_until_killed(swap_dir: Path, min_steps: int, *args: str) -> None:
         child.stderr.close()
 
 
+def _child_reference(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, float]:
+    """The child's AdamW run in memory through ``steps`` steps: model, optimizer, scheduler,
+    and the lr of the last step."""
+    ref_model, _ = make_models()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05)
+    ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref, gamma=CHILD_LR_DECAY)
+    last_lr = ref.param_groups[0]["lr"]
+    for step in range(steps):
+        train_step(ref_model, ref, batch_for_step(step))
+        last_lr = ref.param_groups[0]["lr"]
+        ref_sched.step()
+    return ref_model, ref, ref_sched, last_lr
+
+
 def test_sigkilled_run_resumes_bit_exact(tmp_path) -> None:
     swap_dir = tmp_path / "run"
     _run_until_killed(swap_dir, min_steps=5)
@@ -67,13 +82,7 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path) -> None:
     with opt:
         done = opt.steps
         assert done >= 5
-        ref_model, _ = make_models()
-        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05)
-        ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref, gamma=CHILD_LR_DECAY)
-        for step in range(done):
-            train_step(ref_model, ref, batch_for_step(step))
-            last_lr = ref.param_groups[0]["lr"]
-            ref_sched.step()
+        ref_model, ref, ref_sched, last_lr = _child_reference(done)
         assert_same_params(ref_model, model)
         # the commit happens inside step(), before the scheduler moved lr on: it holds the lr
         # of the last committed step (a resumed run restores its scheduler separately)
@@ -98,12 +107,7 @@ def test_sigkilled_streaming_run_resumes_bit_exact(tmp_path) -> None:
     with opt:
         done = opt.steps
         assert done >= 5
-        ref_model, _ = make_models()
-        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.05)
-        ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref, gamma=CHILD_LR_DECAY)
-        for step in range(done):
-            train_step(ref_model, ref, batch_for_step(step))
-            ref_sched.step()
+        ref_model, ref, ref_sched, _ = _child_reference(done)
         for name, value in model.state_dict().items():  # read from the commit
             assert torch.equal(value, ref_model.state_dict()[name]), name
         for step in range(done, done + 2):

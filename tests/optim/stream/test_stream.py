@@ -48,6 +48,18 @@ def _pair(seed: int = 0) -> tuple[Net, Net]:
     return model, copy.deepcopy(model)
 
 
+def _streaming(
+    tmp_path: Path, **settings: object
+) -> tuple[Net, Net, torch.optim.Optimizer, SwapOptimizer]:
+    """A Net and its copy, torch's AdamW on the first and a streaming SwapOptimizer (host
+    budget 20 KiB unless ``settings`` say otherwise) on the second."""
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    settings = {"swap_dir": tmp_path, "host_budget": 20480, **settings}
+    opt = SwapOptimizer(model, torch.optim.AdamW, offload_parameters=True, **settings, **KWARGS)
+    return ref, model, plain, opt
+
+
 def _clip(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """Clip as a user does: torch's function (on streamed gradients too)."""
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -219,12 +231,7 @@ def test_bf16_parameters_match_the_optimizer_that_does_not_stream(tmp_path: Path
 def test_accumulation_and_evaluation_between_steps(tmp_path: Path, host_budget: int) -> None:
     """Two backward passes per step; with room to read ahead, the first pass starts reading
     slices whose kept gradients the second one replaces."""
-    ref, model = _pair()
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=host_budget, policy="lru",
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
+    ref, model, plain, opt = _streaming(tmp_path, host_budget=host_budget, policy="lru")
     assert opt.placement == {}
     evaluated: dict[bool, torch.Tensor] = {}
     for step in range(3):
@@ -262,12 +269,7 @@ def test_a_resumed_run_continues_bitwise(tmp_path: Path) -> None:
 
 
 def test_a_failed_read_raises_and_leaves_the_parameters_free(tmp_path: Path) -> None:
-    ref, model = _pair()
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
+    ref, model, plain, opt = _streaming(tmp_path)
     _train(ref, plain, 0, 1.0)
     _train(model, opt, 0, 1.0)
     store = opt._backend.store
@@ -313,12 +315,7 @@ def test_gradients_live_in_the_swap_space_and_clipping_reads_them_there(tmp_path
     """No gradient memory after backward; torch's clipping (its per-tensor and foreach paths,
     any norm, twice) and the optimizer's give the total norms and factors torch gives in
     memory; other uses of a kept gradient raise."""
-    ref, model = _pair()
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
+    ref, model, plain, opt = _streaming(tmp_path)
     for step in range(3):
         for m in (ref, model):
             m(batch_for_step(step)).square().mean().backward()
@@ -348,12 +345,7 @@ def plain_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def test_model_zero_grad_between_backward_passes_drops_the_kept_gradients(tmp_path: Path) -> None:
-    ref, model = _pair()
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
+    ref, model, plain, opt = _streaming(tmp_path)
     for step in range(3):
         for m, o in ((ref, plain), (model, opt)):
             m(batch_for_step(10 * step)).square().mean().backward()
@@ -474,12 +466,7 @@ def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_bud
     """``device_budget`` holds parameters between uses, those used soonest first (Belady on the
     order recorded over the first iteration); the step updates the kept ones in place, and
     what is kept is read no more."""
-    ref, model = _pair()
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
-        device_budget=device_budget, offload_parameters=True, **KWARGS,
-    )  # fmt: skip
+    ref, model, plain, opt = _streaming(tmp_path, device_budget=device_budget)
     total = sum(p.numel() * 4 for p in model.parameters())
     fetched = []
     for step in range(4):
