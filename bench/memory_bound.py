@@ -8,7 +8,9 @@ over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0``. Each s
 gradients come from a backward (``1e-3 * sum(p.sum())``: a constant gradient per parameter,
 no activations), so that the gradient hooks run and the default ``overlap="auto"`` steps
 slices in backward, as in training (``--overlap`` names the modes to run, each run of each
-interleaved: ``auto``, ``none`` for ``overlap=None``, ``forward``, ``backward``).
+interleaved: ``auto``, ``none`` for ``overlap=None``, ``forward``, ``backward``; ``stream``
+for ``offload_parameters=True``: each parameter in a module of its own, the optimizer given
+the model, so that parameters and gradients live in the swap folder too).
 Each run is its own process: it notes its RSS after the imports and one step of torch's own
 AdamW on a one-element tensor (the baseline: torch imports its compiler stack, about 75 MiB,
 the first time any optimizer steps; the imports alone are printed too), makes the
@@ -16,6 +18,12 @@ parameters and gradients, steps ``--steps`` times and reports its peak RSS (``Vm
 bound tierswap states: baseline + 1.1 x (parameters + gradients + host budget). With
 ``--throttle READ,WRITE`` every run goes under a cgroup blkio cap of the folder's disk
 (``bench/_throttle.py``, root only), so that the write-behinds wait on the disk.
+
+``stream`` states another bound: baseline + 1.1 x (host budget + the largest module's
+parameter and gradient), whatever the model's size. The model is still built in memory
+before the optimizer frees it (streaming cannot build one that does not fit yet), so its run
+resets the peak (``/proc/self/clear_refs``) once the optimizer holds the parameters and
+reports the peak of the training that follows, and the peak of the construction apart.
 """
 
 from __future__ import annotations
@@ -33,6 +41,37 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 PARAMS, NUMEL, BUDGET = 23, 4_194_304, 128 << 20
 MIB = 1 << 20
+
+
+def _holders(torch, params):
+    """The parameters in modules of their own, whose forward uses them (what streaming needs)."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, param) -> None:
+            super().__init__()
+            self.param = param
+
+        def forward(self):
+            return self.param.sum()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = torch.nn.ModuleList(Holder(p) for p in params)
+
+        def forward(self):
+            return 1e-3 * sum(part() for part in self.parts)
+
+    return Model()
+
+
+def _reset_peak() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; whether it could."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
@@ -54,20 +93,28 @@ def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
     # of freed 16 MiB blocks in glibc's heap (its mmap threshold rises to the largest block
     # freed), memory of the caller's own making that this bench does not measure
     params = [torch.nn.Parameter(torch.empty(NUMEL).normal_()) for _ in range(PARAMS)]
+    streamed = overlap == "stream"
+    model = _holders(torch, params) if streamed else None
     opt = ts.SwapOptimizer(
-        params, torch.optim.AdamW, lr=1e-4, fused=True, swap_dir=folder, host_budget=BUDGET,
-        commit_every=0, overlap=overlap,
+        model if streamed else params, torch.optim.AdamW, lr=1e-4, fused=True,
+        swap_dir=folder, host_budget=BUDGET, commit_every=0,
+        overlap="auto" if streamed else overlap, offload_parameters=streamed,
     )  # fmt: skip
+    built = peak_rss()
+    if streamed and not _reset_peak():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
     with opt:
         for _ in range(steps):
             opt.zero_grad()
-            (1e-3 * sum(p.sum() for p in params)).backward()
+            (model() if streamed else 1e-3 * sum(p.sum() for p in params)).backward()
             opt.step()
         opt.synchronize()
-    model = 2 * PARAMS * NUMEL * 4  # parameters and gradients
+        peak = peak_rss()
+    # parameters and gradients: all of them, or the largest module's when they stream
+    held = 2 * NUMEL * 4 if streamed else 2 * PARAMS * NUMEL * 4
     return {
-        "imported": imported, "baseline": baseline, "peak": peak_rss(),
-        "bound": baseline + 1.1 * (model + BUDGET),
+        "imported": imported, "baseline": baseline, "peak": peak, "built": built,
+        "bound": baseline + 1.1 * (held + BUDGET),
     }  # fmt: skip
 
 
@@ -82,7 +129,7 @@ def main() -> None:
     args = p.parse_args()
     modes = args.overlap.split(",")
     if args.child is not None:
-        overlap = None if modes[0] == "none" else modes[0]
+        overlap = None if modes[0] == "none" else modes[0]  # or "stream"
         print(json.dumps(child(args.child, args.steps, overlap)))
         return
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
@@ -100,7 +147,8 @@ def main() -> None:
                 f"run {run + 1} {mode}: imports {result['imported'] / MIB:.0f} MiB, baseline "
                 f"(after a first torch optimizer step) {result['baseline'] / MIB:.0f} MiB, peak "
                 f"{result['peak'] / MIB:.0f} MiB, bound {result['bound'] / MIB:.0f} MiB, "
-                f"peak/bound {result['peak'] / result['bound']:.3f}",
+                f"peak/bound {result['peak'] / result['bound']:.3f}; built (before the "
+                f"optimizer took the model) {result['built'] / MIB:.0f} MiB",
                 flush=True,
             )
     for mode, runs in results.items():

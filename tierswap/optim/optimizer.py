@@ -48,6 +48,7 @@ from tierswap.optim.plan import (
 from tierswap.optim.step import (
     DeferredSteps,
     Stepper,
+    hold_step_threshold,
     register_grad_hooks,
     remove_grad_hooks,
     step_allocations,
@@ -259,9 +260,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._stream: ParameterStream | None = None  # offload_parameters: set once started
         self._start_or_close(config.resume)
         self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
+        self._release_threshold: Callable[[], None] | None = None
         if model is not None and config.offload_parameters:
             self._stream = ParameterStream(self._parts, model)
             self._stream.start()
+            # streamed parameters and gradients must leave memory when freed
+            self._release_threshold = hold_step_threshold()
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:
@@ -577,7 +581,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         "stall_seconds"}``. A hit is a slice stepped where it stayed resident (device or host
         tier), a miss a slice read from disk. ``"schedule"``: what the step's schedule did
         (``overlap="auto"``: whether it speculates, and the slices stepped in backward, redone
-        and stepped after backward; :class:`~tierswap.optim.step.Speculation`)."""
+        and stepped after backward; :class:`~tierswap.optim.step.Speculation`).
+        ``"parameters"``, with ``offload_parameters``: parameters streamed, bytes kept between
+        uses, read and copied, gradient bytes kept, bytes holding values now and at most."""
         stats = self._backend.stats()
         stats["schedule"] = {
             "overlap": self._config.overlap,
@@ -613,6 +619,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if self._stream is not None:  # the model gets its parameters' values back
                     self._stream.close()
             finally:
+                if self._release_threshold is not None:
+                    self._release_threshold()
                 self._finalizer()
         if failure is not None:
             raise failure

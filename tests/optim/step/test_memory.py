@@ -173,3 +173,17 @@ def test_an_optimizer_step_runs_under_the_step_threshold(monkeypatch, tmp_path) 
         param.grad = torch.randn(64)
         opt.step()
     assert calls == [_memory.STEP_MMAP_THRESHOLD, _memory.IDLE_MMAP_THRESHOLD]
+
+
+def test_an_optimizer_streaming_parameters_holds_the_step_threshold(monkeypatch, tmp_path) -> None:
+    """Streamed parameters and gradients come and go in forward and backward: from the
+    optimizer's construction to its close() the step's threshold stays, steps or not."""
+    calls: list[int] = []
+    monkeypatch.setattr(_memory, "_set_mmap_threshold", calls.append)
+    model = torch.nn.Linear(8, 8)
+    with ts.SwapOptimizer(model, swap_dir=tmp_path / "run", offload_parameters=True) as opt:
+        assert calls == [_memory.STEP_MMAP_THRESHOLD]
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        assert calls[-1] == _memory.STEP_MMAP_THRESHOLD  # the step's end did not lift it
+    assert calls[-1] == _memory.IDLE_MMAP_THRESHOLD

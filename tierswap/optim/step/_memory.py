@@ -13,7 +13,10 @@ kept and reused):
 - **between steps** (the forward and backward passes), :data:`IDLE_MMAP_THRESHOLD` (32 MiB, the
   ceiling glibc's own threshold reaches): activations and gradients come from the heap and are
   reused every iteration instead of faulting in fresh pages. Keeping 1 MiB there cost GPT-2 124M
-  about 0.15 s of its 1.25 s forward and backward (``docs/benchmarks.md``).
+  about 0.15 s of its 1.25 s forward and backward (``docs/benchmarks.md``). Except while
+  an optimizer streams parameters (:func:`hold_step_threshold`): its parameters and gradients
+  are allocated and freed module by module in forward and backward, and in the heap they
+  stayed (about 2.5x its memory bound with 16 MiB parameters, measured here).
 
 :func:`step_allocations` switches between them (nested and concurrent steps counted, so the
 worker of ``overlap="forward"`` and ``step()`` may overlap). ``malloc_trim(0)`` returns whole free
@@ -30,7 +33,13 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["IDLE_MMAP_THRESHOLD", "STEP_MMAP_THRESHOLD", "step_allocations", "trim_heap"]
+__all__ = [
+    "IDLE_MMAP_THRESHOLD",
+    "STEP_MMAP_THRESHOLD",
+    "hold_step_threshold",
+    "step_allocations",
+    "trim_heap",
+]
 
 #: glibc's ``mallopt`` parameter number of the mmap threshold.
 _M_MMAP_THRESHOLD = -3
@@ -41,6 +50,7 @@ IDLE_MMAP_THRESHOLD = 32 << 20
 
 _steps_lock = threading.Lock()
 _steps_running = 0
+_holds = 0  # optimizers streaming parameters: the step's threshold between steps too
 
 
 @functools.cache
@@ -79,8 +89,32 @@ def step_allocations() -> Iterator[None]:
     finally:
         with _steps_lock:
             _steps_running -= 1
-            if _steps_running == 0:
+            if _steps_running == 0 and _holds == 0:
                 _set_mmap_threshold(IDLE_MMAP_THRESHOLD)
+
+
+def hold_step_threshold() -> Callable[[], None]:
+    """Keep :data:`STEP_MMAP_THRESHOLD` between steps too, until the returned function is
+    called (once; later calls do nothing): what streamed parameters and gradients need, which
+    come and go in forward and backward."""
+    global _holds
+    with _steps_lock:
+        _holds += 1
+        _set_mmap_threshold(STEP_MMAP_THRESHOLD)
+    released = False
+
+    def release() -> None:
+        global _holds
+        nonlocal released
+        with _steps_lock:
+            if released:
+                return
+            released = True
+            _holds -= 1
+            if _holds == 0 and _steps_running == 0:
+                _set_mmap_threshold(IDLE_MMAP_THRESHOLD)
+
+    return release
 
 
 def _set_mmap_threshold(nbytes: int) -> None:
