@@ -225,8 +225,8 @@ class ParameterStream:
         self.parts.state.grad_scales.setdefault(index, []).append(factor)
 
     def _kept_grad(self, index: int) -> torch.Tensor:
-        """Slot ``index``'s kept gradient, read back, with its recorded factors applied (and
-        forgotten: the caller keeps the result in their place)."""
+        """Slot ``index``'s kept gradient, read back, with the factors recorded for it
+        applied (they stay recorded: the step applies them to the kept gradient)."""
         param = self._slot(index).param
         grad = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         self._read_into({index: grad.view(-1)}, grad=True)
