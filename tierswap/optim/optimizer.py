@@ -48,7 +48,7 @@ from tierswap.optim.plan import (
 from tierswap.optim.step import (
     DeferredSteps,
     Stepper,
-    hold_step_threshold,
+    hold_threshold,
     register_grad_hooks,
     remove_grad_hooks,
     step_allocations,
@@ -265,7 +265,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._stream = ParameterStream(self._parts, model)
             self._stream.start()
             # streamed parameters and gradients must leave memory when freed
-            self._release_threshold = hold_step_threshold()
+            self._release_threshold = hold_threshold()
         self._ready = True
         inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
         if existing is not None and not config.resume:

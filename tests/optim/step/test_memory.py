@@ -177,13 +177,13 @@ def test_an_optimizer_step_runs_under_the_step_threshold(monkeypatch, tmp_path) 
 
 def test_an_optimizer_streaming_parameters_holds_the_step_threshold(monkeypatch, tmp_path) -> None:
     """Streamed parameters and gradients come and go in forward and backward: from the
-    optimizer's construction to its close() the step's threshold stays, steps or not."""
+    optimizer's construction to its close() the streaming threshold holds between steps."""
     calls: list[int] = []
     monkeypatch.setattr(_memory, "_set_mmap_threshold", calls.append)
     model = torch.nn.Linear(8, 8)
     with ts.SwapOptimizer(model, swap_dir=tmp_path / "run", offload_parameters=True) as opt:
-        assert calls == [_memory.STEP_MMAP_THRESHOLD]
+        assert calls == [_memory.STREAM_MMAP_THRESHOLD]
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
-        assert calls[-1] == _memory.STEP_MMAP_THRESHOLD  # the step's end did not lift it
+        assert calls[-2:] == [_memory.STEP_MMAP_THRESHOLD, _memory.STREAM_MMAP_THRESHOLD]
     assert calls[-1] == _memory.IDLE_MMAP_THRESHOLD

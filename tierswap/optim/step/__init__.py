@@ -21,13 +21,13 @@ from __future__ import annotations
 from tierswap.optim.step._deferred import DeferredSteps
 from tierswap.optim.step._hooks import register as register_grad_hooks
 from tierswap.optim.step._hooks import remove as remove_grad_hooks
-from tierswap.optim.step._memory import hold_step_threshold, step_allocations
+from tierswap.optim.step._memory import hold_threshold, step_allocations
 from tierswap.optim.step._stepper import Stepper
 
 __all__ = [
     "DeferredSteps",
     "Stepper",
-    "hold_step_threshold",
+    "hold_threshold",
     "register_grad_hooks",
     "remove_grad_hooks",
     "step_allocations",

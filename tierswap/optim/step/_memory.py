@@ -14,9 +14,10 @@ kept and reused):
   ceiling glibc's own threshold reaches): activations and gradients come from the heap and are
   reused every iteration instead of faulting in fresh pages. Keeping 1 MiB there cost GPT-2 124M
   about 0.15 s of its 1.25 s forward and backward (``docs/benchmarks.md``). Except while
-  an optimizer streams parameters (:func:`hold_step_threshold`): its parameters and gradients
-  are allocated and freed module by module in forward and backward, and in the heap they
-  stayed (about 2.5x its memory bound with 16 MiB parameters, measured here).
+  an optimizer streams parameters (:func:`hold_threshold`, :data:`STREAM_MMAP_THRESHOLD`):
+  its parameters and gradients are allocated and freed module by module in forward and
+  backward, and in the heap they stayed (2.9x its memory bound with 16 MiB parameters,
+  measured here); smaller allocations, activations among them, stay in the heap.
 
 :func:`step_allocations` switches between them (nested and concurrent steps counted, so the
 worker of ``overlap="forward"`` and ``step()`` may overlap). ``malloc_trim(0)`` returns whole free
@@ -36,7 +37,8 @@ from collections.abc import Callable, Iterator
 __all__ = [
     "IDLE_MMAP_THRESHOLD",
     "STEP_MMAP_THRESHOLD",
-    "hold_step_threshold",
+    "STREAM_MMAP_THRESHOLD",
+    "hold_threshold",
     "step_allocations",
     "trim_heap",
 ]
@@ -50,7 +52,11 @@ IDLE_MMAP_THRESHOLD = 32 << 20
 
 _steps_lock = threading.Lock()
 _steps_running = 0
-_holds = 0  # optimizers streaming parameters: the step's threshold between steps too
+#: Between steps while an optimizer streams parameters: its parameters and gradients of this
+#: size or more leave when freed; activations and small tensors stay in the heap (1 MiB cost
+#: GPT-2 4 x 1024 about 1 s of a 5 s iteration in page faults, measured here).
+STREAM_MMAP_THRESHOLD = 8 << 20
+_holds: list[int] = []  # the thresholds held between steps (optimizers streaming parameters)
 
 
 @functools.cache
@@ -89,30 +95,35 @@ def step_allocations() -> Iterator[None]:
     finally:
         with _steps_lock:
             _steps_running -= 1
-            if _steps_running == 0 and _holds == 0:
-                _set_mmap_threshold(IDLE_MMAP_THRESHOLD)
+            if _steps_running == 0:
+                _set_mmap_threshold(_idle_threshold())
 
 
-def hold_step_threshold() -> Callable[[], None]:
-    """Keep :data:`STEP_MMAP_THRESHOLD` between steps too, until the returned function is
-    called (once; later calls do nothing): what streamed parameters and gradients need, which
-    come and go in forward and backward."""
-    global _holds
+def _idle_threshold() -> int:
+    """The threshold between steps: the lowest held, else :data:`IDLE_MMAP_THRESHOLD`. The
+    caller holds the lock."""
+    return min(_holds, default=IDLE_MMAP_THRESHOLD)
+
+
+def hold_threshold(nbytes: int = STREAM_MMAP_THRESHOLD) -> Callable[[], None]:
+    """Keep the threshold at ``nbytes`` (or lower) between steps too, until the returned
+    function is called (once; later calls do nothing): what streamed parameters and gradients
+    need, which come and go in forward and backward."""
     with _steps_lock:
-        _holds += 1
-        _set_mmap_threshold(STEP_MMAP_THRESHOLD)
+        _holds.append(nbytes)
+        if _steps_running == 0:
+            _set_mmap_threshold(_idle_threshold())
     released = False
 
     def release() -> None:
-        global _holds
         nonlocal released
         with _steps_lock:
             if released:
                 return
             released = True
-            _holds -= 1
-            if _holds == 0 and _steps_running == 0:
-                _set_mmap_threshold(IDLE_MMAP_THRESHOLD)
+            _holds.remove(nbytes)
+            if _steps_running == 0:
+                _set_mmap_threshold(_idle_threshold())
 
     return release
 
