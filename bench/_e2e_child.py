@@ -164,13 +164,8 @@ def _torch_loop(
         loss.backward()
         backward = time.perf_counter()
         if opt is not None:
-            if work.clip is not None:  # part of the step phase; tierswap's clips where the
-                # gradients are (with offload_parameters, in the swap space)
-                clip = getattr(opt, "clip_grad_norm_", None)
-                if clip is not None:
-                    clip(work.clip)
-                else:
-                    torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
+            if work.clip is not None:  # part of the step phase (streamed gradients too)
+                torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
             opt.step()
             opt.zero_grad()
         else:

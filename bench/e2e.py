@@ -109,7 +109,7 @@ MODES: dict[str, dict[str, Any]] = {
     "8bit-fused-ops": {"state_precision": "8bit", "fused": True},
     # the parameters and gradients streamed too (offload_parameters=True: the model is given,
     # each module's parameters are read before its forward and backward, gradients go to the
-    # swap folder; clipping, with --clip, through opt.clip_grad_norm_)
+    # swap folder; --clip clips with torch.nn.utils.clip_grad_norm_, which works on them)
     "stream": {"offload_parameters": True},
     "stream-fused": {"offload_parameters": True, "fused": True},
     # ... with 256 MiB of parameters kept between uses (device_budget: Belady on their order)

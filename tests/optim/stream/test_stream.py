@@ -61,17 +61,12 @@ def _streaming(
     return ref, model, plain, opt
 
 
-def _clip(model: torch.nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-    """Clip as a user does: torch's function (on streamed gradients too)."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-
 def _train(
     model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float
 ) -> torch.Tensor:
     """One step with clipping; the total norm of the gradients."""
     model(batch_for_step(step)).square().mean().backward()
-    norm = _clip(model, opt, clip)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad()
     return norm
@@ -200,7 +195,7 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
         ids = torch.randint(0, 97, (2, 16), generator=gen)
         for m, o in ((ref, plain), (model, opt)):
             m(input_ids=ids, labels=ids).loss.backward()
-            _clip(m, o, 0.5)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             o.step()
             o.zero_grad()
         assert _held(model) == 0
@@ -331,7 +326,9 @@ def test_gradients_live_in_the_swap_space_and_clipping_reads_them_there(tmp_path
             want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, **kwargs)
             got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, **kwargs)
             assert torch.equal(got, want), kwargs  # clipped thrice: norms read back after one
-        assert torch.equal(opt.clip_grad_norm_(0.01), plain_clip(ref, 0.01))
+        assert torch.equal(
+            opt.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        )
         for o in (plain, opt):
             o.step()
         opt.zero_grad(set_to_none=False)  # kept gradients are dropped, never zeroed in place
@@ -339,10 +336,6 @@ def test_gradients_live_in_the_swap_space_and_clipping_reads_them_there(tmp_path
         assert all(p.grad is None for p in model.parameters())
     opt.close()
     assert_same_params(ref, model)
-
-
-def plain_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def test_model_zero_grad_between_backward_passes_drops_the_kept_gradients(tmp_path: Path) -> None:
@@ -448,7 +441,10 @@ def test_random_training_schedules_match_torch(tmp_path: Path, seed: int) -> Non
                 m(x).square().mean().backward()
         clip = rng.choice([None, 0.01, 100.0])
         if clip is not None:
-            assert torch.equal(_clip(ref, plain, clip), _clip(model, opt, clip))
+            assert torch.equal(
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip),
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip),
+            )
         for o in (plain, opt):
             o.step()
             o.zero_grad()

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["allocate", "free", "is_free", "nbytes"]
+__all__ = ["allocate", "free", "nbytes"]
 
 
 def nbytes(param: torch.Tensor) -> int:
     """Bytes of ``param``'s values (what its storage holds when filled)."""
     return param.numel() * param.element_size()
-
-
-def is_free(param: torch.Tensor) -> bool:
-    """Whether ``param`` holds no memory now (a parameter of no elements never does)."""
-    return param.untyped_storage().nbytes() < nbytes(param) or nbytes(param) == 0
 
 
 def free(param: torch.Tensor) -> None:

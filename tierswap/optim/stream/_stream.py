@@ -137,8 +137,8 @@ class ParameterStream:
     def before_forward(self, position: int) -> None:
         """Module ``position`` is about to run forward: its parameters must hold values."""
         owned = self._modules[position][1]
-        self._used(position)
         self._fetch(owned)
+        self._used(position)  # reads ahead after its own: they would wait behind those
         self._users.update(owned)
 
     def after_forward(self, position: int, output: Any) -> None:
@@ -166,8 +166,8 @@ class ParameterStream:
         if position in self._seen_in_backward:
             return
         self._seen_in_backward.add(position)
-        self._used(position)
         self._fetch(self._modules[position][1])
+        self._used(position)
 
     def grad_final(self, param: torch.Tensor) -> None:
         """``param``'s gradient is final in this backward pass (the optimizer's gradient hook,
