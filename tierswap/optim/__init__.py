@@ -6,7 +6,8 @@ SwapOptimizer inside a framework's wrapper, and handling the small reference dic
 
 The package is grouped by job; data flows down (an import-linter contract holds it):
 
-- the public face: :mod:`~tierswap.optim.optimizer` (:class:`SwapOptimizer`), ``_adapters``
+- the public face: :mod:`~tierswap.optim.optimizer` (:class:`SwapOptimizer`; its commits,
+  state dicts and snapshots in ``_checkpoints``), ``_adapters``
   (:func:`offload`, :func:`swapped`, :func:`find_swap_optimizer`), ``_config`` (the settings)
   and :mod:`~tierswap.optim.distributed` (per-rank folders and checks);
 - :mod:`tierswap.optim.step`: how a step runs its slices, and when;

@@ -11,8 +11,9 @@ working while they step. Per-element math is independent across elements, and a 
 optimizer's math spans it (Muon, Adafactor) is never cut (both checked at construction), so
 stepping in slices is bitwise equal to stepping all at once.
 
-This class is the public face: construction, persistence and state dicts. How a step runs its
-slices (in ``step()``, in backward hooks, or into the next forward) is
+This class is the public face: construction and stepping; commits, state dicts and snapshots
+are its base's (:mod:`~tierswap.optim._checkpoints`). How a step runs its slices (in
+``step()``, in backward hooks, or into the next forward) is
 :class:`~tierswap.optim.step.Stepper`'s job.
 """
 
@@ -30,6 +31,7 @@ import torch
 from tierswap.engine import EvictionPolicy, transfers_for
 from tierswap.errors import ConfigError
 from tierswap.optim import persist
+from tierswap.optim._checkpoints import Checkpoints
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
@@ -54,13 +56,13 @@ from tierswap.optim.step import (
     step_allocations,
 )
 from tierswap.optim.stream import ParameterStream
-from tierswap.store import Progress, SnapshotResult, StorePaths
+from tierswap.store import StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["SwapOptimizer"]
 
 
-class SwapOptimizer(torch.optim.Optimizer):
+class SwapOptimizer(Checkpoints):
     """A ``torch.optim.Optimizer`` whose state lives on disk and streams through host memory.
 
     Parameters
@@ -475,76 +477,6 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _settle(self) -> None:
         """Wait for the worker; roll back slices speculated for a step not taken."""
         self._stepper.abandon()
-
-    # -- persistence and state dicts ------------------------------------------------------
-    def commit(self) -> int:
-        """Make the current masters, state and step count the folder's atomic restart point."""
-        self._settle()
-        return persist.commit(self._parts)
-
-    def _adopt_direct_state(self) -> None:
-        """Move state written straight into ``self.state`` (as ``ZeroRedundancyOptimizer.
-        load_state_dict`` does) into the swap space."""
-        persist.adopt_direct_state(self._parts)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state in torch's own format (materialised in host RAM, as CPU tensors).
-
-        After :meth:`redirect_state_dict`, the next call instead takes a snapshot and returns
-        the small reference dict of :meth:`snapshot_state_dict`.
-        """
-        self._settle()
-        dest = self._requests.take_dest()
-        if dest is not None:
-            return self.snapshot_state_dict(dest)
-        self._adopt_direct_state()
-        return persist.state_dict(self, self._parts)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict in torch's format (from this class or the plain optimizer), or a
-        snapshot reference from :meth:`snapshot_state_dict`."""
-        self._settle()
-        hint = self._requests.take_hint()
-        if persist.is_reference(state_dict):
-            self.load_snapshot(persist.resolve_reference(state_dict, hint))
-            return
-        persist.load_state_dict(self._parts, state_dict)
-        self._state.changed = True  # the next snapshot commits
-
-    # -- snapshots (see tierswap.optim.persist._snapshot) ----------------------------------
-    def snapshot(
-        self, dest: str | os.PathLike[str], *, progress: bool | Progress | None = None
-    ) -> SnapshotResult:
-        """Keep the current state as a standalone store in the new or empty ``dest``: hard
-        links to the swap folder's files (no data copied), a copy across filesystems. Commits
-        first unless the last commit already holds this state (``commit_every`` did it)."""
-        self._settle()
-        return persist.snapshot(self._parts, dest, progress=progress)
-
-    def snapshot_state_dict(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
-        """:meth:`snapshot` into ``dest`` and return a small dict referencing it, which
-        :meth:`load_state_dict` accepts (a trainer checkpoint that never materialises)."""
-        return persist.reference(self.snapshot(dest), self._state.steps)
-
-    def redirect_state_dict(self, dest: str | os.PathLike[str] | None) -> None:
-        """Make the next :meth:`state_dict` call return :meth:`snapshot_state_dict` of ``dest``
-        (``None`` cancels). For trainers that save ``optimizer.state_dict()`` themselves."""
-        self._requests.dest = None if dest is None else Path(dest).absolute()
-
-    def hint_snapshot_folder(self, folder: str | os.PathLike[str] | None) -> None:
-        """Name the checkpoint folder the next :meth:`load_state_dict` of a snapshot reference
-        comes from: where the snapshot is looked for when the absolute path the reference
-        records is gone (a moved or copied checkpoint). ``None`` cancels."""
-        self._requests.hint = None if folder is None else Path(folder).absolute()
-
-    def load_snapshot(self, path: str | os.PathLike[str]) -> None:
-        """Replace the swap folder by the snapshot at ``path`` and resume from it."""
-        self._settle()
-        source = persist.snapshot_source(path)
-        self._backend.reopen_from(source, self._layout.chunk_bytes)
-        meta = self._backend.committed_meta()
-        assert meta is not None  # checked by snapshot_source
-        self._restore(meta)
 
     # -- introspection and teardown -------------------------------------------------------
     @property
