@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
+
+import torch
 
 from tierswap.config import Size, parse_size
 from tierswap.engine.policies import EvictionPolicy
@@ -31,7 +33,8 @@ class SwapConfig:
     ``commit()`` and at ``close()``. ``state_precision`` and
     ``master`` choose the compact formats of :mod:`tierswap.optim.formats` (``"fp32"``:
     exact, the default). ``offload_parameters`` streams the parameters too
-    (:mod:`tierswap.optim.stream`).
+    (:mod:`tierswap.optim.stream`); ``param_init_fn`` initializes those of a model built on
+    the meta device (:mod:`tierswap.optim.stream._meta`).
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
@@ -47,6 +50,7 @@ class SwapConfig:
     state_precision: StatePrecision = "fp32"
     master: MasterFormat = "fp32"
     offload_parameters: bool = False
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -84,7 +88,16 @@ class SwapConfig:
         """``offload_parameters`` with the schedules and formats it supports so far."""
         if not isinstance(self.offload_parameters, bool):
             raise ConfigError(f"offload_parameters={self.offload_parameters!r} must be a bool")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ConfigError(
+                f"param_init_fn={self.param_init_fn!r} must be a function of a module"
+            )
         if not self.offload_parameters:
+            if self.param_init_fn is not None:
+                raise ConfigError(
+                    "param_init_fn initializes a model built on the meta device, whose "
+                    "parameters stream: it needs offload_parameters=True"
+                )
             return
         if self.overlap not in ("auto", None):
             raise ConfigError(

@@ -55,7 +55,7 @@ from tierswap.optim.step import (
     remove_grad_hooks,
     step_allocations,
 )
-from tierswap.optim.stream import ParameterStream
+from tierswap.optim.stream import ParameterStream, Placed, has_meta, initialize, place
 from tierswap.store import StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -149,12 +149,24 @@ class SwapOptimizer(Checkpoints):
         Gradients go to the swap space as backward finalizes them (``param.grad`` holds a
         stand-in, on which torch's ``clip_grad_norm_`` works); ``device_budget`` then keeps
         the parameters used soonest between uses, instead of optimizer state.
-        ``model.state_dict()`` reads them; :meth:`close` gives them back to the model. Bitwise
+        ``model.state_dict()`` reads them; :meth:`close` gives them back to the model (those
+        built on the meta device go back to it, for a model too large for memory). Bitwise
         equal to the plain optimizer. So far: the step runs after backward (no speculation),
         ``master="remainder"`` and ``add_param_group`` are refused, a ``GradScaler`` cannot
         unscale the kept gradients (it raises), and a parameter must be used inside the
         forward of a module that owns it.
         ``docs/optimizer.md``, "Streaming parameters".
+    param_init_fn:
+        With ``offload_parameters``, for a model built on the meta device (too large to build
+        in memory): the function of a module that gives its parameters their first values.
+        It is called on every module, children first (as ``model.apply``); each parameter
+        holds memory only during the calls that use it, and its first master goes straight
+        to the swap space. ``None`` (default) calls ``reset_parameters()`` of each module that
+        owns meta parameters (a model of torch's layers without tied weights starts from the
+        values it has when built in memory from the same seed). For a Hugging Face model,
+        ``model._init_weights``. A parameter no call gave a value raises ``ConfigError``. Meta
+        parameters come to ``torch.get_default_device()``; meta buffers get zeroed memory
+        there first.
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -177,6 +189,7 @@ class SwapOptimizer(Checkpoints):
         state_precision: StatePrecision = "fp32",
         master: MasterFormat = "fp32",
         offload_parameters: bool = False,
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
@@ -184,14 +197,16 @@ class SwapOptimizer(Checkpoints):
             policy=policy, durable=durable, commit_every=commit_every, resume=resume,
             overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
             state_precision=state_precision, master=master,
-            offload_parameters=offload_parameters,
+            offload_parameters=offload_parameters, param_init_fn=param_init_fn,
         )  # fmt: skip
         check_class(optimizer_class)
         model = params if isinstance(params, torch.nn.Module) else None
+        unborn = Placed([], [])
         if model is not None:
+            unborn = _place_meta(model, config)
             params = model.named_parameters()
         inner = optimizer_class(own_defaults(params), **optimizer_kwargs)
-        self._setup(inner, config, model)
+        self._setup(inner, config, model, unborn)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
@@ -221,6 +236,7 @@ class SwapOptimizer(Checkpoints):
         inner: torch.optim.Optimizer,
         config: SwapConfig,
         model: torch.nn.Module | None = None,
+        unborn: Placed | None = None,
     ) -> None:
         if config.offload_parameters and model is None:
             raise ConfigError(
@@ -229,6 +245,8 @@ class SwapOptimizer(Checkpoints):
                 "offload_parameters=True)"
             )
         self._ready = False  # torch's constructor calls add_param_group before the rest exists
+        #: What was built on the meta device: placed without values until ``_start``.
+        self._unborn = unborn or Placed([], [])
         self._inner = inner
         # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
         # handed to offload()) moves into the swap space through load_state_dict below.
@@ -260,11 +278,13 @@ class SwapOptimizer(Checkpoints):
         )  # fmt: skip
         self._stepper = Stepper(self._parts)
         self._stream: ParameterStream | None = None  # offload_parameters: set once started
-        self._start_or_close(config.resume)
+        self._start_or_close(config.resume, model)
         self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
         self._release_threshold: Callable[[], None] | None = None
         if model is not None and config.offload_parameters:
-            self._stream = ParameterStream(self._parts, model)
+            slot_of = self._layout.slot_of
+            meta_born = [slot_of[id(param)].index for param in self._unborn.params]
+            self._stream = ParameterStream(self._parts, model, meta_born)
             self._stream.start()
             # streamed parameters and gradients must leave memory when freed
             self._release_threshold = hold_threshold()
@@ -288,7 +308,7 @@ class SwapOptimizer(Checkpoints):
             work_on_device=self.tier == DEVICE,
         )
 
-    def _start_or_close(self, resume: bool) -> None:
+    def _start_or_close(self, resume: bool, model: torch.nn.Module | None) -> None:
         """:meth:`_start`, under the finalizer that closes the store: a failure closes it (and
         removes a temporary folder) before it propagates."""
         # Closes the store (and removes a temporary folder) when the optimizer is
@@ -299,7 +319,7 @@ class SwapOptimizer(Checkpoints):
         )
         self._finalizer.atexit = False
         try:
-            self._start(resume)
+            self._start(resume, model)
             if resume:  # every rank must resume the same step (a collective)
                 check_resumed_steps(self._state.steps, self._backend.path)
         except BaseException:
@@ -354,13 +374,21 @@ class SwapOptimizer(Checkpoints):
             device_compute=self._transfers.moves,
         )
 
-    def _start(self, resume: bool) -> None:
-        """Resume the folder's last commit, or create the arrays and write the masters."""
+    def _start(self, resume: bool, model: torch.nn.Module | None) -> None:
+        """Resume the folder's last commit, or create the arrays and write the masters (those
+        of ``model``'s parameters built on the meta device: as its init gives them values)."""
         meta = self._backend.committed_meta() if resume else None
+        init_fn = self._config.param_init_fn
         if meta is not None:
             self._restore(meta)
+            if model is not None and self._unborn.buffer_owners:
+                initialize(self._parts, model, self._unborn, init_fn, resumed=True)
             return
-        persist.create_arrays(self._parts, self._layout.slots)
+        slot_of = self._layout.slot_of
+        unborn = [slot_of[id(param)] for param in self._unborn.params]
+        persist.create_arrays(self._parts, self._layout.slots, unwritten=unborn)
+        if model is not None and (unborn or self._unborn.buffer_owners):
+            initialize(self._parts, model, self._unborn, init_fn)
 
     def _restore(self, meta: dict[str, Any]) -> None:
         """Load the commit ``meta`` describes; slices follow its chunking."""
@@ -576,6 +604,21 @@ def _commit_every(every: int | str) -> int | str:
     commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
     so there it commits every step."""
     return 1 if every == "auto" and world()[1] > 1 else every
+
+
+def _place_meta(model: torch.nn.Module, config: SwapConfig) -> Placed:
+    """Place ``model``'s meta parameters without values (:func:`~tierswap.optim.stream.
+    place`), on ``torch.get_default_device()`` (the CPU where that is the meta device)."""
+    if not has_meta(model):
+        return Placed([], [])
+    if not config.offload_parameters:
+        raise ConfigError(
+            "the model was built on the meta device (its parameters have no values): "
+            "SwapOptimizer(model, ..., offload_parameters=True) gives them their first values "
+            "in the swap space; without it, build the model in memory"
+        )
+    device = torch.get_default_device()
+    return place(model, torch.device("cpu") if device.type == "meta" else device)
 
 
 def _compute_device(tier: str) -> torch.device:

@@ -22,7 +22,12 @@ The helpers take one :class:`OptimizerParts`, which the optimizer builds once.
 
 from __future__ import annotations
 
-from tierswap.optim.persist._arrays import create_arrays, restore_params
+from tierswap.optim.persist._arrays import (
+    create_arrays,
+    read_master,
+    restore_params,
+    write_master,
+)
 from tierswap.optim.persist._backend import StateBackend
 from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters, same_values
 from tierswap.optim.persist._commit import commit, drain_writes, final_commit
@@ -62,6 +67,7 @@ __all__ = [
     "final_commit",
     "is_reference",
     "load_state_dict",
+    "read_master",
     "reference",
     "reference_path",
     "resolve_reference",
@@ -71,4 +77,5 @@ __all__ = [
     "snapshot",
     "snapshot_source",
     "state_dict",
+    "write_master",
 ]

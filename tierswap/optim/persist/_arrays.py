@@ -10,7 +10,14 @@ from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.optim.plan import Segment, Slot, flat, master_dtype
 from tierswap.pipeline import Region
 
-__all__ = ["base_arrays", "create_arrays", "master_of", "write_params"]
+__all__ = [
+    "base_arrays",
+    "create_arrays",
+    "master_of",
+    "read_master",
+    "write_master",
+    "write_params",
+]
 
 
 def base_arrays(slot: Slot) -> list[tuple[str, torch.dtype]]:
@@ -37,15 +44,41 @@ def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", master_dtype(slot.param))
 
 
-def create_arrays(parts: OptimizerParts, slots: list[Slot]) -> None:
+def create_arrays(
+    parts: OptimizerParts, slots: list[Slot], *, unwritten: Iterable[Slot] = ()
+) -> None:
     """Create the arrays of new ``slots`` (those the store does not hold yet) and write their
-    masters (or params)."""
+    masters (or params), except those of ``unwritten`` (parameters with no values yet, whose
+    masters :func:`write_master` writes once they are initialized)."""
     backend = parts.backend
     for slot in slots:
         for key, dtype in base_arrays(slot):
             if key not in backend.known:
                 backend.create(key, tuple(slot.local.shape), dtype)
-    write_params(parts, slots, masters=True)
+    skipped = {slot.index for slot in unwritten}
+    write_params(parts, [slot for slot in slots if slot.index not in skipped], masters=True)
+
+
+def write_master(parts: OptimizerParts, slot: Slot) -> None:
+    """Write the master of a streamed ``slot`` from its parameter's values, whole (every
+    segment of the parameter, in one batch of region writes)."""
+    values = flat(slot.param)
+    parts.backend.put_regions(
+        {
+            Region(slot.master_key, seg.start, seg.stop): master_of(
+                slot, values[seg.start : seg.stop]
+            )
+            for piece in parts.layout.slices
+            for seg in piece.segments
+            if seg.slot is slot
+        }
+    )
+
+
+def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:
+    """A CPU copy of a streamed ``slot``'s stored master, whole and flat."""
+    parts.backend.pipeline.flush()
+    return parts.backend.read_region(Region(slot.master_key, 0, slot.param.numel()))
 
 
 def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> None:

@@ -67,8 +67,9 @@ def group_slots(
 
 def check_streamable(param: torch.Tensor, name: str | None) -> None:
     """Raise ``ConfigError`` unless ``param`` can hold no memory between uses: a floating
-    point tensor (not a DTensor shard) that owns its storage whole, so that freeing the storage
-    frees nothing else and refilling it restores every view autograd saved."""
+    point tensor (not a DTensor shard) that owns its storage whole (or has none yet: built on the
+    meta device), so that freeing the storage frees nothing else and refilling it restores
+    every view autograd saved."""
     what = f"parameter {name!r}" if name else f"a parameter of shape {tuple(param.shape)}"
     if local_tensor(param) is not param:
         raise ConfigError(f"offload_parameters=True does not stream sharded parameters ({what})")
@@ -77,7 +78,8 @@ def check_streamable(param: torch.Tensor, name: str | None) -> None:
             f"offload_parameters=True streams floating point parameters; {what} is {param.dtype}"
         )
     storage = param.untyped_storage()
-    if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+    owned = storage.nbytes() in (0, param.numel() * param.element_size())  # 0: no values yet
+    if param.storage_offset() != 0 or not owned:
         raise ConfigError(
             f"{what} is a view into a larger buffer (a flat parameter, or storage shared with "
             "another tensor); offload_parameters=True needs each parameter to own its memory"

@@ -5,12 +5,22 @@ while their modules run, and the swap space keeps their values.
   optimizer's pipeline;
 - ``_storage``: freeing and refilling a parameter's memory in place;
 - ``_placeholder``: :class:`OffloadedGradient`, what ``param.grad`` holds while the gradient
-  lives in the swap space.
+  lives in the swap space;
+- ``_meta``: a model built on the meta device: placing its parameters and writing their first
+  values, one module's init at a time.
 """
 
 from __future__ import annotations
 
+from tierswap.optim.stream._meta import Placed, has_meta, initialize, place
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._stream import ParameterStream
 
-__all__ = ["OffloadedGradient", "ParameterStream"]
+__all__ = [
+    "OffloadedGradient",
+    "ParameterStream",
+    "Placed",
+    "has_meta",
+    "initialize",
+    "place",
+]

@@ -48,7 +48,7 @@ from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts
 from tierswap.optim.plan import Segment, Slot, master_dtype
 from tierswap.optim.stream._placeholder import OffloadedGradient
-from tierswap.optim.stream._storage import allocate, free, nbytes
+from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
 from tierswap.pipeline import Job, Region
 
 __all__ = ["PREFETCH_MODULES", "ParameterStream"]
@@ -66,8 +66,12 @@ class ParameterStream:
     thread autograd runs backward on, one at a time.
     """
 
-    def __init__(self, parts: OptimizerParts, model: torch.nn.Module) -> None:
+    def __init__(
+        self, parts: OptimizerParts, model: torch.nn.Module, meta_born: Iterable[int] = ()
+    ) -> None:
         self.parts = parts
+        #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
+        self._meta_born = set(meta_born)
         slot_of = parts.layout.slot_of
         #: Each module that owns streamed parameters, with their slot indices.
         self._modules: list[tuple[torch.nn.Module, list[int]]] = []
@@ -125,13 +129,18 @@ class ParameterStream:
 
     def close(self) -> None:
         """Remove the hooks and read every parameter back into its memory (the model is whole
-        again, as before the optimizer took it)."""
+        again, as before the optimizer took it), except those built on the meta device: a
+        model that did not fit in memory returns to the meta device (its values stay in the
+        swap folder, from which a run resumes)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.drop_ahead()
         for _, owned in self._modules:
-            self._fetch(owned)
+            self._fetch([i for i in owned if i not in self._meta_born])
+        for index in self._meta_born:
+            self._live.discard(index)
+            to_meta(self._slot(index).param)
 
     # -- the hooks' events -------------------------------------------------------------------
     def before_forward(self, position: int) -> None:
