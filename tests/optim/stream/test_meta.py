@@ -204,6 +204,16 @@ def test_what_cannot_be_initialized_is_refused_clearly(tmp_path: Path) -> None:
             _built(Bare, meta=True), swap_dir=tmp_path / "b", offload_parameters=True,
             param_init_fn=only_linear,
         )  # fmt: skip
+
+    def replace(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(torch.zeros(4, 4))
+
+    with pytest.raises(ConfigError, match="replaced parameters"):
+        SwapOptimizer(
+            _built(Bare, meta=True), swap_dir=tmp_path / "e", offload_parameters=True,
+            param_init_fn=replace,
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="built on the meta device"):
         SwapOptimizer(_built(Bare, meta=True), swap_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match="needs offload_parameters=True"):

@@ -122,6 +122,11 @@ def initialize(
                 write_master(parts, slot_of[id(param)])
             free(param)
             written.add(id(param))
+    if any(id(p) not in slot_of for p in model.parameters()):
+        raise ConfigError(
+            "the init function replaced parameters of the model (module.weight = "
+            "nn.Parameter(...)); it must set their values in place (torch.nn.init, copy_)"
+        )
     missing = [name for name, p in model.named_parameters() if id(p) in pending.keys() - written]
     if missing:
         raise ConfigError(

@@ -1,0 +1,333 @@
+"""Benchmark: train a model whose parameters, gradients and Adam state exceed the machine's RAM.
+
+    PYTHONPATH=. python bench/big_model.py --dir /nvme/bench --layers 40 --width 2560 --steps 4
+    PYTHONPATH=. python bench/big_model.py --layers 2 --width 256 --steps 3    # smoke run
+
+A GPT-2-style model (transformers' GPT2LMHeadModel, heads of 64, one batch of 4 x 64 tokens as
+in bench/e2e.py; 40 x 2560 is 3.28B parameters: 52 GB of fp32 parameters, gradients and AdamW
+state) is built on the meta device and given to ``SwapOptimizer(model, torch.optim.AdamW,
+offload_parameters=True, param_init_fn=model._init_weights)``: its parameters get their first
+values in the swap folder one module at a time and never sit in memory together. Each
+iteration is forward, backward, ``clip_grad_norm_(model.parameters(), 1.0)``, ``step()``.
+
+Three processes, one after the other:
+  fio      sequential O_DIRECT bandwidth of the folder, for the I/O bound
+  compute  forward + backward of the same width in memory at --probe-layers (a few layers),
+           with the bytes autograd saves (activations); both fitted linearly in the layers and
+           extrapolated to --layers (the whole model's compute does not fit in memory)
+  stream   the run: per iteration its phases, loss and the swap's bytes read and written
+           (progress lines on stderr), and peak RSS
+
+--check-ram (for a model that fits) also trains it in memory with torch's AdamW, initialized
+from the same seed, and checks the losses are bitwise the streamed run's.
+
+Reports each iteration against max(compute, I/O bound) (target: <= 1.2x), whether the loss
+falls, and peak RSS against the import baseline + 1.1 x (host + device budgets + the largest
+module's parameters and gradients) + the activations. Durable stores keep a second version of
+each chunk until it is committed (up to 2x the state on disk); --scratch (``durable=False``)
+writes in place, for a model whose state fills more than half the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _peak import current_rss, peak_rss
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
+from tierswap.config import format_size, parse_size  # noqa: E402
+
+TARGET = 1.2
+CLIP = 1.0
+
+
+def _model(layers: int, width: int, meta: bool) -> Any:
+    import torch
+    from _e2e_child import build_gpt2
+
+    if not meta:
+        return build_gpt2(layers, width)
+    with torch.device("meta"):
+        return build_gpt2(layers, width)
+
+
+def _tokens(vocab: int) -> Any:
+    import torch
+    from _e2e_child import GPT2_BATCH, GPT2_TOKENS
+
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(vocab, (GPT2_BATCH, GPT2_TOKENS), generator=gen)
+
+
+def run_compute(args: argparse.Namespace) -> dict[str, Any]:
+    """Forward + backward in memory at each probe depth (:func:`_probe`)."""
+    import torch
+
+    torch.manual_seed(0)
+    return {"probes": [_probe(layers, args.width) for layers in args.probe_layers]}
+
+
+def _probe(layers: int, width: int) -> dict[str, Any]:
+    """Seconds of forward + backward (median of 3 after one warm-up) and the bytes autograd
+    saved for backward (each storage once, parameters excluded) at ``layers`` layers."""
+    import torch
+
+    model = _model(layers, width, meta=False)
+    tokens = _tokens(model.config.vocab_size)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    times = []
+    for _ in range(4):
+        saved.clear()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return {"layers": layers, "seconds": statistics.median(times[1:]),
+            "activations": sum(saved.values())}  # fmt: skip
+
+
+def run_ram(args: argparse.Namespace) -> dict[str, Any]:
+    """--check-ram: the same model and training in memory, torch's AdamW (the model must fit):
+    the losses the streamed run must match bitwise."""
+    import torch
+
+    model = _model(args.layers, args.width, meta=False)
+    torch.manual_seed(0)  # the seed the streamed run initializes from, in the same order
+    model.apply(model._init_weights)
+    tokens = _tokens(model.config.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    losses = []
+    for _ in range(args.steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+def _fit(rows: list[dict[str, Any]], key: str, layers: int) -> float:
+    """``key`` at ``layers``, from a straight line through the first and the last probe."""
+    a, b = rows[0], rows[-1]
+    slope = (b[key] - a[key]) / (b["layers"] - a["layers"])
+    return float(a[key] + slope * (layers - a["layers"]))
+
+
+def run_stream(args: argparse.Namespace) -> dict[str, Any]:
+    """The streamed run, in this process."""
+    import torch
+
+    import tierswap as ts
+
+    _model(1, 64, meta=True)  # transformers' imports: part of the baseline
+    warm = torch.nn.Parameter(torch.zeros(8))
+    warm.grad = torch.zeros(8)
+    torch.optim.AdamW([warm]).step()  # torch's optimizer machinery: part of the baseline
+    baseline = current_rss()
+    torch.manual_seed(0)
+    model = _model(args.layers, args.width, meta=True)
+    tokens = _tokens(model.config.vocab_size)
+    numel = sum(p.numel() for p in model.parameters())
+    largest = max(
+        sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        for module in model.modules()
+    )
+    start = time.perf_counter()
+    opt = ts.SwapOptimizer(
+        model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, swap_dir=args.swap_dir,
+        host_budget=args.host_budget, device_budget=args.device_budget,
+        offload_parameters=True, param_init_fn=model._init_weights, durable=not args.scratch,
+    )  # fmt: skip
+    init_s = time.perf_counter() - start
+    _progress(f"built and initialized {numel / 1e9:.2f}B parameters in {init_s:.0f} s")
+    iterations = []
+    for index in range(args.steps):
+        before, t0 = opt.tier_stats()["nvme"], time.perf_counter()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        t1 = time.perf_counter()
+        _progress(f"iteration {index + 1}/{args.steps}: forward {t1 - t0:.1f} s")
+        loss.backward()
+        t2 = time.perf_counter()
+        _progress(f"iteration {index + 1}/{args.steps}: backward {t2 - t1:.1f} s")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()  # this iteration's writes count in this iteration
+        t3, after = time.perf_counter(), opt.tier_stats()["nvme"]
+        row = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "seconds": t3 - t0,
+               "loss": loss.item(), "grad_norm": norm.item(),
+               "read": after["bytes_read"] - before["bytes_read"],
+               "written": after["bytes_written"] - before["bytes_written"]}  # fmt: skip
+        iterations.append(row)
+        _progress(
+            f"iteration {index + 1}/{args.steps}: step {row['step']:.1f} s, total "
+            f"{row['seconds']:.1f} s, loss {row['loss']:.4f}, read "
+            f"{format_size(row['read'])}, written {format_size(row['written'])}"
+        )
+    stats = opt.tier_stats()
+    peak = peak_rss()  # before close(): the model goes back to the meta device there
+    opt.close()
+    return {"params": numel, "largest_module_bytes": largest, "init_s": init_s,
+            "iterations": iterations, "baseline_rss": baseline, "peak_rss": peak,
+            "parameters": stats.get("parameters")}  # fmt: skip
+
+
+def _progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", role, "--swap-dir", str(folder / role),
+               "--layers", str(args.layers), "--width", str(args.width),
+               "--steps", str(args.steps), "--host-budget", str(args.host_budget),
+               "--lr", str(args.lr),
+               "--device-budget", str(args.device_budget),
+               "--probe-layers", ",".join(map(str, args.probe_layers))]  # fmt: skip
+    if args.scratch:
+        command.append("--scratch")
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{role} failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fio(folder: Path, nbytes: int) -> dict[str, float]:
+    binary = which("fio")
+    if binary is None:
+        raise SystemExit("fio is needed for the I/O bound: apt-get install fio")
+    sample, _ = run_trial(FioEngine(nbytes, binary=binary), folder)
+    return {"write": sample.write_bps, "read": sample.read_bps}
+
+
+def report(
+    args: argparse.Namespace, stream: dict, compute: dict, fio: dict[str, float]
+) -> dict[str, Any]:
+    """Ratios of each iteration to max(compute, I/O bound), and the memory bound."""
+    probes = compute["probes"]
+    compute_s = _fit(probes, "seconds", args.layers)
+    activations = _fit(probes, "activations", args.layers)
+    rows = []
+    for row in stream["iterations"]:
+        bound = row["read"] / fio["read"] + row["written"] / fio["write"]
+        floor = max(compute_s, bound)
+        rows.append({**row, "io_bound_s": bound, "x_floor": row["seconds"] / floor})
+    budgets = args.host_budget + args.device_budget
+    limit = 1.1 * (budgets + 2 * stream["largest_module_bytes"]) + activations
+    losses = [row["loss"] for row in rows]
+    return {
+        "layers": args.layers, "width": args.width, "params": stream["params"],
+        "state_bytes": 16 * stream["params"], "fio": fio, "compute_s": compute_s,
+        "activations": activations, "probes": probes, "init_s": stream["init_s"],
+        "rows": rows, "steady_max_x_floor": max((r["x_floor"] for r in rows[1:]), default=None),
+        "loss_falls": all(b < a for a, b in itertools.pairwise(losses)),
+        "peak_above_baseline": stream["peak_rss"] - stream["baseline_rss"],
+        "rss_limit": limit, "parameters": stream["parameters"],
+    }  # fmt: skip
+
+
+def print_report(rep: dict[str, Any], ram: int) -> None:
+    state = rep["state_bytes"]
+    print(f"\n== GPT-2 {rep['layers']} x {rep['width']}: {rep['params'] / 1e9:.2f}B fp32 "
+          f"parameters; parameters + gradients + AdamW state {state / 1e9:.1f} GB = "
+          f"{state / ram:.2f}x this machine's RAM ({ram / 2**30:.1f} GiB)")  # fmt: skip
+    print(f"fio: read {rep['fio']['read'] / 1e9:.2f} GB/s, write {rep['fio']['write'] / 1e9:.2f}")
+    print(f"compute (forward + backward, fitted from {len(rep['probes'])} probes): "
+          f"{rep['compute_s']:.1f} s; activations {format_size(int(rep['activations']))}; "
+          f"init {rep['init_s']:.0f} s")  # fmt: skip
+    print(
+        "iter | s      | fwd    | bwd    | step   | loss    | read      | written   | "
+        "I/O bound s | x max(compute, I/O)"
+    )
+    for i, r in enumerate(rep["rows"], 1):
+        print(f"{i:4} | {r['seconds']:6.1f} | {r['forward']:6.1f} | {r['backward']:6.1f} | "
+              f"{r['step']:6.1f} | {r['loss']:7.4f} | {format_size(r['read']):>9} | "
+              f"{format_size(r['written']):>9} | {r['io_bound_s']:11.1f} | {r['x_floor']:.2f}"
+              + ("  (records the order)" if i == 1 else ""))  # fmt: skip
+    worst = rep["steady_max_x_floor"]
+    if worst is not None:
+        verdict = "PASS" if worst <= TARGET else "FAIL"
+        print(f"iterations 2.. <= {TARGET}x max(compute, I/O bound): {verdict} "
+              f"(max {worst:.2f})")  # fmt: skip
+    print(f"loss falls every iteration: {'PASS' if rep['loss_falls'] else 'FAIL'}")
+    if "ram_losses" in rep:
+        same = "PASS" if rep["losses_bitwise"] else "FAIL"
+        print(f"losses bitwise equal to torch's AdamW in memory {rep['ram_losses']}: {same}")
+    above, limit = rep["peak_above_baseline"], rep["rss_limit"]
+    print(f"peak RSS above the baseline {format_size(above)} <= 1.1 x (budgets + largest module's "
+          f"parameters and gradients) + activations {format_size(int(limit))}: "
+          f"{'PASS' if above <= limit else 'FAIL'}")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp", help="parent folder of the swap folder")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--width", type=int, default=2560)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--host-budget", type=parse_size, default=parse_size("2GiB"))
+    parser.add_argument("--device-budget", type=parse_size, default=0)
+    parser.add_argument(
+        "--probe-layers", default="2,4", type=lambda v: [int(x) for x in v.split(",")],
+        help="depths of the compute probe (two or more, each small enough for memory)",
+    )  # fmt: skip
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--scratch", action="store_true", help="durable=False: write in place")
+    parser.add_argument(
+        "--check-ram", action="store_true",
+        help="also train the model in memory (it must fit) and compare the losses",
+    )  # fmt: skip
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--swap-dir", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        run = {"compute": run_compute, "stream": run_stream, "ram": run_ram}[args.child]
+        print(json.dumps(run(args)))
+        return
+    import os
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with bench_folder(Path(args.dir)) as folder:
+        fio = _fio(folder, 4 << 30)
+        compute = _spawn(args, "compute", folder)
+        stream = _spawn(args, "stream", folder)
+        ram = _spawn(args, "ram", folder) if args.check_ram else None
+    rep = report(args, stream, compute, fio)
+    if ram is not None:
+        rep["ram_losses"] = ram["losses"]
+        rep["losses_bitwise"] = ram["losses"] == [row["loss"] for row in rep["rows"]]
+    print_report(rep, memory)
+    out = Path(args.json) if args.json else ROOT / "bench" / "out" / "big_model.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rep, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
