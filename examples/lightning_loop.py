@@ -26,7 +26,11 @@ class Regressor(pl.LightningModule):
     """A small MLP; ``swap_dir=None`` trains it with plain AdamW."""
 
     def __init__(
-        self, swap_dir: str | Path | None, host_budget: str = "64KiB", muon: bool = False
+        self,
+        swap_dir: str | Path | None,
+        host_budget: str = "64KiB",
+        muon: bool = False,
+        stream: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -34,6 +38,7 @@ class Regressor(pl.LightningModule):
             torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
         )
         self.swap_dir, self.host_budget, self.muon = swap_dir, host_budget, muon
+        self.stream = stream  # the parameters and gradients stream too: the module is given
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
         x, y = batch
@@ -52,8 +57,9 @@ class Regressor(pl.LightningModule):
                 {"params": [p for n, p in named if p.dim() != 2],
                  "param_names": [n for n, p in named if p.dim() != 2]},
             ]  # fmt: skip
-        return ts.SwapOptimizer(params, torch.optim.AdamW, lr=1e-2,
-                                swap_dir=self.swap_dir, host_budget=self.host_budget)  # fmt: skip
+        return ts.SwapOptimizer(self if self.stream else params, torch.optim.AdamW, lr=1e-2,
+                                swap_dir=self.swap_dir, host_budget=self.host_budget,
+                                offload_parameters=self.stream)  # fmt: skip
 
 
 def data(batches: int) -> torch.utils.data.DataLoader:
@@ -72,13 +78,14 @@ def train(
     save_top_k: int = -1,
     resume: str | Path | None = None,
     muon: bool = False,
+    stream: bool = False,
 ) -> Regressor:
     """Train for ``steps`` steps, checkpointing every ``save_every`` steps.
 
     An epoch is ``save_every`` steps, so every checkpoint falls at an epoch's end: Lightning
     resumes a plain (non-stateful) DataLoader exactly only there.
     """
-    model = Regressor(swap_dir, host_budget="256KiB" if muon else "64KiB", muon=muon)
+    model = Regressor(swap_dir, host_budget="256KiB" if muon else "64KiB", muon=muon, stream=stream)
     callbacks: list[pl.Callback] = [TierswapCheckpoints()]  # the one line tierswap needs
     if save_every:
         every = ModelCheckpoint(
@@ -106,10 +113,11 @@ def main() -> None:
     parser.add_argument("--save-top-k", type=int, default=2)
     parser.add_argument("--output-dir", default="swap/lightning-output")
     parser.add_argument("--resume", default=None, help="a checkpoint file to resume from")
+    parser.add_argument("--stream", action="store_true", help="stream the parameters too")
     args = parser.parse_args()
     model = train(args.swap_dir, steps=args.steps, output_dir=args.output_dir,
                   save_every=args.save_every, save_top_k=args.save_top_k,
-                  resume=args.resume)  # fmt: skip
+                  resume=args.resume, stream=args.stream)  # fmt: skip
     print({"param_sum": float(sum(p.detach().sum() for p in model.parameters()))})
 
 

@@ -42,6 +42,22 @@ def test_checkpoints_keep_snapshots_and_resume_bit_exact(tmp_path) -> None:
     assert_same_params(plain, resumed)
 
 
+@pytest.mark.usefixtures("no_gathering")
+def test_streamed_parameters_train_checkpoint_and_resume_bit_exact(tmp_path) -> None:
+    """``offload_parameters=True`` under Lightning: its checkpoints read the streamed values
+    (``model.state_dict()``), and a resume loads them back (``model.load_state_dict()``)."""
+    example = _example()
+    plain = example.train(None, steps=6, output_dir=tmp_path / "plain", save_every=2)
+    out = tmp_path / "out"
+    full = example.train(tmp_path / "swap", steps=6, output_dir=out, save_every=2, stream=True)
+    assert_same_params(plain, full)
+    resumed = example.train(
+        tmp_path / "swap2", steps=6, output_dir=tmp_path / "o2", save_every=2,
+        resume=out / "step=4.ckpt", stream=True,
+    )  # fmt: skip
+    assert_same_params(plain, resumed)
+
+
 def test_a_snapshot_saved_across_filesystems_is_copied_beside_the_file(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -486,3 +486,32 @@ def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_bud
     _same_state_dicts(ref, model)
     opt.close()
     assert_same_params(ref, model)
+
+
+def test_model_load_state_dict_writes_the_loaded_values_to_the_swap_space(
+    tmp_path: Path,
+) -> None:
+    """``model.load_state_dict()`` (a trainer's resume) copies into each module's parameters
+    while the module loads, and the loaded values become the masters: training goes on as
+    torch's does after the same load, with resident slices and kept parameters too."""
+    for name, settings in {
+        "streamed": {"host_budget": 20480},
+        "resident": {"host_budget": None, "device_budget": 1 << 20},
+    }.items():
+        ref, model, plain, opt = _streaming(tmp_path / name, **settings)
+        for step in range(2):
+            _train(ref, plain, step, 0.5)
+            _train(model, opt, step, 0.5)
+        _, other = _pair(seed=5)
+        loaded = other.state_dict()
+        del loaded["mid.bias"]  # a key the state dict lacks keeps its value
+        ref.load_state_dict(loaded, strict=False)
+        model.load_state_dict(loaded, strict=False)
+        assert _held(model) == 0  # nothing holds values after the load
+        _same_state_dicts(ref, model)
+        for step in range(2, 4):
+            _train(ref, plain, step, 0.5)
+            _train(model, opt, step, 0.5)
+        _same_state_dicts(ref, model)
+        opt.close()
+        assert_same_params(ref, model)

@@ -45,7 +45,7 @@ from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
 from tierswap.io import footprint
-from tierswap.optim.persist import OptimizerParts
+from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import Segment, Slot, master_dtype
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
@@ -118,14 +118,20 @@ class ParameterStream:
                 module.register_forward_hook(
                     functools.partial(_after, ref, position), always_call=True
                 ),
+                module.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_before_load, ref, position)
+                ),
+                module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_after_load, ref, position)
+                ),
             ]
         model = self._model()
         if model is not None:
-            self._handles.append(
+            self._handles += [
                 model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
                     functools.partial(_filled_state_dict, ref)
-                )
-            )
+                ),
+            ]
 
     def close(self) -> None:
         """Remove the hooks and read every parameter back into its memory (the model is whole
@@ -259,6 +265,23 @@ class ParameterStream:
         if self._ahead:
             self.parts.backend.pipeline.release(self._ahead)
             self._ahead.clear()
+
+    # -- model.load_state_dict() -------------------------------------------------------------
+    def before_load(self, position: int) -> None:
+        """``load_state_dict()`` is about to copy loaded values into module ``position``'s
+        parameters: give them their current values (a key the state dict lacks keeps its
+        value). The store must then hold the newest masters alone, since the load rewrites
+        them there: resident slices are written back and dropped, reads ahead dropped."""
+        self.drop_ahead()
+        self.parts.backend.pipeline.evict()
+        self._fetch(self._modules[position][1])
+
+    def after_load(self, position: int) -> None:
+        """Module ``position`` has copied the loaded values: they become the masters."""
+        owned = self._modules[position][1]
+        for index in owned:
+            write_master(self.parts, self._slot(index))
+        self._free(owned)
 
     def reset(self) -> None:
         """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
@@ -475,6 +498,18 @@ def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any
     stream = ref()
     if stream is not None:
         stream.before_backward(position)
+
+
+def _before_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.before_load(position)
+
+
+def _after_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.after_load(position)
 
 
 def _filled_state_dict(
