@@ -55,7 +55,14 @@ from tierswap.optim.step import (
     remove_grad_hooks,
     step_allocations,
 )
-from tierswap.optim.stream import ParameterStream, Placed, has_meta, initialize, place
+from tierswap.optim.stream import (
+    ParameterStream,
+    Placed,
+    has_meta,
+    initialize,
+    place,
+    to_meta,
+)
 from tierswap.store import StorePaths
 from tierswap.tiers import DEVICE, HOST, TierName
 
@@ -205,8 +212,13 @@ class SwapOptimizer(Checkpoints):
         if model is not None:
             unborn = _place_meta(model, config)
             params = model.named_parameters()
-        inner = optimizer_class(own_defaults(params), **optimizer_kwargs)
-        self._setup(inner, config, model, unborn)
+        try:
+            inner = optimizer_class(own_defaults(params), **optimizer_kwargs)
+            self._setup(inner, config, model, unborn)
+        except BaseException:  # the model as it came: a corrected call starts again from it
+            for param in unborn.params:
+                to_meta(param)
+            raise
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:

@@ -199,11 +199,24 @@ def test_what_cannot_be_initialized_is_refused_clearly(tmp_path: Path) -> None:
         if isinstance(module, torch.nn.Linear):
             module.reset_parameters()
 
+    model = _built(Bare, meta=True)
     with pytest.raises(ConfigError, match=r"\['gain'\].*no init function gave them values"):
         SwapOptimizer(
-            _built(Bare, meta=True), swap_dir=tmp_path / "b", offload_parameters=True,
-            param_init_fn=only_linear,
-        )  # fmt: skip
+            model, swap_dir=tmp_path / "b", offload_parameters=True, param_init_fn=only_linear
+        )
+    assert all(p.is_meta for p in model.parameters())  # as it came: a corrected call works
+
+    def init(module: torch.nn.Module) -> None:
+        if isinstance(module, Bare):
+            torch.nn.init.ones_(module.gain)
+        else:
+            only_linear(module)
+
+    opt = SwapOptimizer(
+        model, swap_dir=tmp_path / "b2", offload_parameters=True, param_init_fn=init
+    )
+    assert torch.equal(model.state_dict()["gain"], torch.ones(4))
+    opt.close()
 
     def replace(module: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Linear):

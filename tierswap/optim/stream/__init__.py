@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from tierswap.optim.stream._meta import Placed, has_meta, initialize, place
 from tierswap.optim.stream._placeholder import OffloadedGradient
+from tierswap.optim.stream._storage import to_meta
 from tierswap.optim.stream._stream import ParameterStream
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "has_meta",
     "initialize",
     "place",
+    "to_meta",
 ]
