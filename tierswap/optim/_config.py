@@ -104,11 +104,6 @@ class SwapConfig:
                 f"offload_parameters=True steps after backward: overlap={self.overlap!r} is not "
                 "supported with it; use overlap='auto' (the default) or None"
             )
-        if self.master == "remainder":
-            raise ConfigError(
-                "offload_parameters=True does not support master='remainder' yet; use "
-                "master='fp32' (the default)"
-            )
 
     @classmethod
     def from_keywords(cls, **settings: Any) -> SwapConfig:

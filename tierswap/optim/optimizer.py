@@ -158,8 +158,9 @@ class SwapOptimizer(Checkpoints):
         the parameters used soonest between uses, instead of optimizer state.
         ``model.state_dict()`` reads them; :meth:`close` gives them back to the model (those
         built on the meta device go back to it, for a model too large for memory). Bitwise
-        equal to the plain optimizer. So far: the step runs after backward (no speculation),
-        ``master="remainder"`` and ``add_param_group`` are refused, a ``GradScaler`` cannot
+        equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
+        bytes an element. So far: the step runs after backward (no speculation),
+        ``add_param_group`` is refused, a ``GradScaler`` cannot
         unscale the kept gradients (it raises), and a parameter must be used inside the
         forward of a module that owns it.
         ``docs/optimizer.md``, "Streaming parameters".

@@ -133,17 +133,19 @@ def test_gpt2_initialized_by_its_init_weights_one_module_at_a_time(tmp_path: Pat
     opt.close()
 
 
-def test_bf16_parameters_get_fp32_masters_of_their_first_values(tmp_path: Path) -> None:
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
+def test_bf16_parameters_get_masters_of_their_first_values(tmp_path: Path, master: str) -> None:
     def build() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).bfloat16()
 
     ref = _built(build, meta=False)
     model = _built(build, meta=True)
     torch.manual_seed(0)
-    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", master=master, **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path / "b", offload_parameters=True, **KWARGS
-    )
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", offload_parameters=True,
+        master=master, **KWARGS,
+    )  # fmt: skip
     for step in range(3):
         for m, o in ((ref, plain), (model, opt)):
             m(batch_for_step(step).bfloat16()).float().square().mean().backward()

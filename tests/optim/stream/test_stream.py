@@ -205,19 +205,42 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
     assert_same_params(ref, model)
 
 
-def test_bf16_parameters_match_the_optimizer_that_does_not_stream(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("master", "host_budget", "device_budget"),
+    [
+        ("fp32", 20480, 0),
+        ("remainder", 32768, 0),
+        ("remainder", None, 0),
+        ("remainder", 32768, 1 << 20),
+    ],
+    ids=["fp32-master", "remainder", "remainder-resident", "remainder-kept"],
+)
+def test_bf16_parameters_match_the_optimizer_that_does_not_stream(
+    tmp_path: Path, master: str, host_budget: int | None, device_budget: int
+) -> None:
+    """bf16 parameters with fp32 masters, or with ``master="remainder"``: then the stored
+    bf16 parameter is what each use reads (2 bytes an element, not the 4 of a master), and
+    the step reads it with the remainder, rebuilds the fp32 master exactly and writes both;
+    with slices resident, and with parameters kept between uses (``device_budget``)."""
     ref, model = make_models(dtype=torch.bfloat16)
-    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", master=master, **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=20480,
-        offload_parameters=True, **KWARGS,
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=host_budget,
+        device_budget=device_budget, offload_parameters=True, master=master, commit_every=2,
+        **KWARGS,
     )  # fmt: skip
-    for step in range(4):
+    fetched = []
+    for step in range(5):
         for m, o in ((ref, plain), (model, opt)):
             m(batch_for_step(step, torch.bfloat16)).float().square().mean().backward()
             o.step()
             o.zero_grad()
-    _same_state_dicts(ref, model)
+        _same_state_dicts(ref, model)
+        fetched.append(opt.tier_stats()["parameters"]["fetched_bytes"])
+    if master == "remainder" and host_budget is not None and not device_budget:
+        numel = sum(p.numel() for p in model.parameters())
+        # forward, backward and the state dict's read: 2 bytes an element each
+        assert fetched[1] - fetched[0] == 3 * 2 * numel
     plain.close()
     opt.close()
     assert_same_params(ref, model)
@@ -264,6 +287,44 @@ def test_a_resumed_run_continues_bitwise(tmp_path: Path) -> None:
     assert_same_params(ref, fresh)
 
 
+def test_a_resumed_remainder_run_and_a_loaded_model_continue_bitwise(tmp_path: Path) -> None:
+    """bf16 parameters under ``master="remainder"``: the stored parameter and remainder are
+    committed and resumed, and ``model.load_state_dict()`` writes both."""
+    ref, model = make_models(dtype=torch.bfloat16)
+    settings = {"master": "remainder", **KWARGS}
+    plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", **settings)
+    streaming = {"swap_dir": tmp_path / "b", "host_budget": 32768, "offload_parameters": True}
+    opt = SwapOptimizer(model, torch.optim.AdamW, **streaming, **settings)
+
+    def train(m: torch.nn.Module, o: torch.optim.Optimizer, step: int) -> None:
+        m(batch_for_step(step, torch.bfloat16)).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+
+    for step in range(3):
+        train(ref, plain, step)
+        train(model, opt, step)
+    opt.close()
+    _, fresh = make_models(dtype=torch.bfloat16)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in fresh.parameters():  # other values: the resume replaces them
+            p.add_(1.0)
+    opt = SwapOptimizer(fresh, torch.optim.AdamW, resume=True, **streaming, **settings)
+    _same_state_dicts(ref, fresh)
+    train(ref, plain, 3)
+    train(fresh, opt, 3)
+    loaded = {k: v + 0.5 for k, v in ref.state_dict().items()}  # bf16 values, new masters
+    ref.load_state_dict(loaded)
+    fresh.load_state_dict(loaded)
+    plain.load_state_dict(plain.state_dict())  # the plain optimizer refreshes its masters
+    train(ref, plain, 4)
+    train(fresh, opt, 4)
+    _same_state_dicts(ref, fresh)
+    plain.close()
+    opt.close()
+
+
 def test_a_failed_read_raises_and_leaves_the_parameters_free(tmp_path: Path) -> None:
     ref, model, plain, opt = _streaming(tmp_path)
     _train(ref, plain, 0, 1.0)
@@ -291,8 +352,6 @@ def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
     for overlap in ("backward", "forward"):
         with pytest.raises(ConfigError, match=f"overlap='{overlap}'"):
             SwapOptimizer(model, torch.optim.AdamW, overlap=overlap, offload_parameters=True)
-    with pytest.raises(ConfigError, match="remainder"):
-        SwapOptimizer(model, torch.optim.AdamW, master="remainder", offload_parameters=True)
     with pytest.raises(ConfigError, match="must be a bool"):
         SwapOptimizer(model, torch.optim.AdamW, offload_parameters="yes")  # type: ignore[arg-type]
     flat = torch.nn.Parameter(torch.zeros(10))

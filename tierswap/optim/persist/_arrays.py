@@ -60,25 +60,26 @@ def create_arrays(
 
 
 def write_master(parts: OptimizerParts, slot: Slot) -> None:
-    """Write the master of a streamed ``slot`` from its parameter's values, whole (every
-    segment of the parameter, in one batch of region writes)."""
+    """Write the master of a streamed ``slot`` from its parameter's values (and the values
+    themselves, beside a remainder), whole: every segment, in one batch of region writes."""
     values = flat(slot.param)
-    parts.backend.put_regions(
-        {
-            Region(slot.master_key, seg.start, seg.stop): master_of(
-                slot, values[seg.start : seg.stop]
-            )
-            for piece in parts.layout.slices
-            for seg in piece.segments
-            if seg.slot is slot
-        }
-    )
+    writes: dict[Region, torch.Tensor] = {}
+    for piece in parts.layout.slices:
+        for seg in piece.segments:
+            if seg.slot is slot:
+                part = values[seg.start : seg.stop]
+                writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, part)
+                if slot.persists_param:
+                    writes[Region(slot.param_key, seg.start, seg.stop)] = part.detach().cpu()
+    parts.backend.put_regions(writes)
 
 
 def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:
-    """A CPU copy of a streamed ``slot``'s stored master, whole and flat."""
+    """A CPU copy of a streamed ``slot``'s stored values, whole and flat: its master, or the
+    stored parameter beside a remainder."""
     parts.backend.pipeline.flush()
-    return parts.backend.read_region(Region(slot.master_key, 0, slot.param.numel()))
+    key = slot.param_key if slot.remainder else slot.master_key
+    return parts.backend.read_region(Region(key, 0, slot.param.numel()))
 
 
 def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> None:

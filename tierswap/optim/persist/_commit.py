@@ -52,7 +52,11 @@ def _write_commit(parts: OptimizerParts) -> int:
             f"or reopen with resume=True to continue from step {committed}"
         )
     slots = layout.slots
-    unwritten = [s for s in slots if s.persists_param and s.index not in step_state.params_written]
+    unwritten = [  # a streamed parameter's stored values are current: every step writes them
+        s
+        for s in slots
+        if s.persists_param and not s.streamed and s.index not in step_state.params_written
+    ]
     write_params(parts, unwritten, masters=False)
     small = {  # keyed by each parameter's key prefix, so a resume can match by name
         "small": {s.prefix: clone_state(step_state.small[s.index]) for s in slots},

@@ -211,7 +211,8 @@ class Slot:
         gradient's cast, the split parameter): what the step writes that is not read or
         written back, so it can come from memory reused across slices."""
         scratch = [] if self.stored_precision == "fp32" else [4 * numel] * self.state_count
-        return scratch + self.master_buffers(numel)[1:]
+        read = 2 if self.streamed and self.remainder else 1  # buffers read, not scratch
+        return scratch + self.master_buffers(numel)[read:]
 
     @property
     def state_count(self) -> int:
@@ -221,9 +222,12 @@ class Slot:
     def master_buffers(self, numel: int) -> list[int]:
         """Bytes of each buffer a segment of ``numel`` elements holds for its master: the fp32
         master and the gradient's cast; for a remainder, the remainder, the master joined into
-        fp32 scratch, the gradient's cast and the parameter :func:`split` writes."""
+        fp32 scratch, the gradient's cast and the parameter :func:`split` writes (a streamed
+        parameter's: read with the remainder, second)."""
         if not self.has_master:
             return []
+        if self.remainder and self.streamed:
+            return [2 * numel, 2 * numel, 4 * numel, 4 * numel]
         if self.remainder:
             return [2 * numel, 4 * numel, 4 * numel, 2 * numel]
         return [master_dtype(self.param).itemsize * numel] * 2

@@ -125,7 +125,8 @@ def slice_reads(
     piece: Slice, state_names: dict[int, list[str]], *, scales_held: bool = False
 ) -> tuple[Region, ...]:
     """The regions a slice reads: the state that exists (its 8-bit scales only when they
-    are not held: ``scales_held``), each master, and each gradient kept in the swap space."""
+    are not held: ``scales_held``), each master (with a streamed parameter's stored values
+    when its master is a remainder), and each gradient kept in the swap space."""
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
@@ -134,6 +135,8 @@ def slice_reads(
             reads += regions[:1] if scales_held and slot.scales_bytes else regions
         if slot.has_master:
             reads.append(_region(slot.master_key, seg))
+        if slot.streamed and slot.remainder:  # the parameter's half of the master
+            reads.append(_region(slot.param_key, seg))
         if slot.keeps_grad:
             reads.append(_region(slot.grad_key, seg))
     return tuple(reads)
@@ -303,7 +306,7 @@ def _target(
     if slot.has_master:
         stored = tensors[_region(slot.master_key, seg)]
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
-            param = flat(slot.param)[seg.start : seg.stop].to(stored.device)
+            param = _param_values(slot, seg, tensors).to(stored.device)
             stored = join(param, stored, scratch.take(seg.numel, stored.device))
         target = _shaped(slot, stored)
         target.grad = _cast(grad, target, scratch)
@@ -503,15 +506,27 @@ def _split_master(
     slot = seg.slot
     region = _region(slot.master_key, seg)
     remainder = tensors[region]  # read where the step runs: the new remainder goes there
-    param = flat(slot.param)[seg.start : seg.stop]
+    param = _param_values(slot, seg, tensors)
     if param.device == target.device:
         split(target.reshape(-1), param, remainder)
     else:
         param.copy_(split(target.reshape(-1), None, remainder)[0])
     writes = {region: remainder}
-    if plan.write_params:
+    if slot.streamed:  # the stored parameter is the only copy: written every step
+        writes[_region(slot.param_key, seg)] = param
+        if slot.param.untyped_storage().nbytes() > 0:  # kept between uses: updated too
+            flat(slot.param)[seg.start : seg.stop].copy_(param)
+    elif plan.write_params:
         writes[_region(slot.param_key, seg)] = param.detach()
     return writes
+
+
+def _param_values(slot: Slot, seg: Segment, tensors: dict[Region, torch.Tensor]) -> torch.Tensor:
+    """``seg``'s part of a remainder slot's parameter: in memory, or, streamed, the stored
+    values the slice read (:func:`slice_reads`)."""
+    if slot.streamed:
+        return tensors[_region(slot.param_key, seg)]
+    return flat(slot.param)[seg.start : seg.stop]
 
 
 def clone_small(state: dict[str, Any]) -> dict[str, Any]:

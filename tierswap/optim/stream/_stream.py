@@ -319,7 +319,7 @@ class ParameterStream:
         """The read of ``seg``'s master or kept gradient (a job of the pipeline, named apart
         from the slices')."""
         region = _region(slot, seg, grad=grad)
-        dtype = slot.param.dtype if grad else master_dtype(slot.param)
+        dtype = slot.param.dtype if grad or slot.remainder else master_dtype(slot.param)
         name = ("grad" if grad else "param", slot.index, seg.start)
         return Job(name, (region,), footprint(region.numel * dtype.itemsize))
 
@@ -465,7 +465,11 @@ class ParameterStream:
 
 
 def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
-    return Region(slot.grad_key if grad else slot.master_key, seg.start, seg.stop)
+    """Where ``seg``'s kept gradient or values are stored: the master, or, beside a
+    remainder, the parameter itself (2 bytes for bf16)."""
+    if grad:
+        return Region(slot.grad_key, seg.start, seg.stop)
+    return Region(slot.param_key if slot.remainder else slot.master_key, seg.start, seg.stop)
 
 
 def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
