@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,9 @@ from _peak import current_rss, peak_rss
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
+from _fio import required_fio_bandwidth  # noqa: E402
+
+from tierswap.cli import bench_folder  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
 
 TARGET = 1.2
@@ -213,14 +216,6 @@ def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _fio(folder: Path, nbytes: int) -> dict[str, float]:
-    binary = which("fio")
-    if binary is None:
-        raise SystemExit("fio is needed for the I/O bound: apt-get install fio")
-    sample, _ = run_trial(FioEngine(nbytes, binary=binary), folder)
-    return {"write": sample.write_bps, "read": sample.read_bps}
-
-
 def report(
     args: argparse.Namespace, stream: dict, compute: dict, fio: dict[str, float]
 ) -> dict[str, Any]:
@@ -310,11 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         run = {"compute": run_compute, "stream": run_stream, "ram": run_ram}[args.child]
         print(json.dumps(run(args)))
         return
-    import os
-
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with bench_folder(Path(args.dir)) as folder:
-        fio = _fio(folder, 4 << 30)
+        fio = required_fio_bandwidth(folder, 4 << 30)
         compute = _spawn(args, "compute", folder)
         stream = _spawn(args, "stream", folder)
         ram = _spawn(args, "ram", folder) if args.check_ram else None

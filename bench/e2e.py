@@ -75,9 +75,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _fio import fio_bandwidth  # noqa: E402
 from _throttle import rates, throttled  # noqa: E402
 
-from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
+from tierswap.cli import bench_folder  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
 
 CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
@@ -255,15 +256,6 @@ def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, A
     return result
 
 
-def _fio_trial(folder: Path, nbytes: int) -> dict[str, float] | None:
-    """fio's sequential O_DIRECT write and read bandwidth (bytes/s), or None without fio."""
-    binary = which("fio")
-    if binary is None:
-        return None
-    sample, _ = run_trial(FioEngine(nbytes, binary=binary), folder)
-    return {"write": sample.write_bps, "read": sample.read_bps}
-
-
 def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     """The configurations to run, and a note when DeepSpeed's are skipped."""
     fused = any(MODES[mode].get("fused") for mode in args.modes)
@@ -292,7 +284,7 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[
         else _state_bytes(args.width, args.depth, args.model)
     )
     for round_ in range(args.rounds):
-        bandwidth = _fio_trial(folder, nbytes)
+        bandwidth = fio_bandwidth(folder, nbytes)
         if bandwidth is not None:
             fio.append(bandwidth)
         for config in configs:

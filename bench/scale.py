@@ -35,7 +35,9 @@ from _peak import peak_rss
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierswap.cli import FioEngine, bench_folder, run_trial, which  # noqa: E402
+from _fio import required_fio_bandwidth  # noqa: E402
+
+from tierswap.cli import bench_folder  # noqa: E402
 from tierswap.config import format_size, parse_size  # noqa: E402
 
 TARGET = 1.15
@@ -111,14 +113,6 @@ def _spawn(args: argparse.Namespace, case: str, folder: Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _fio(folder: Path, nbytes: int) -> dict[str, float]:
-    binary = which("fio")
-    if binary is None:
-        raise SystemExit("fio is needed for the I/O bound: apt-get install fio")
-    sample, _ = run_trial(FioEngine(nbytes, binary=binary), folder)
-    return {"write": sample.write_bps, "read": sample.read_bps}
-
-
 def report(result: dict[str, Any], fio: dict[str, float]) -> dict[str, Any]:
     """Per-step ratios to the I/O bound, and the memory bound."""
     rows = []
@@ -187,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     reports = []
     with bench_folder(Path(args.dir)) as folder:
         for case in args.cases.split(","):
-            fio = _fio(folder, 1 << 30)
+            fio = required_fio_bandwidth(folder, 1 << 30)
             rep = report(_spawn(args, case, folder), fio)
             print_report(rep)
             reports.append(rep)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.optim.models import batch_for_step
+from tests.optim.stream.lockstep import train_gpt2_lockstep
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
 
@@ -121,14 +122,7 @@ def test_gpt2_initialized_by_its_init_weights_one_module_at_a_time(tmp_path: Pat
     assert 0 < max(held) <= largest
     _same_state_dicts(ref, model)
     plain = torch.optim.AdamW(ref.parameters())
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(5):
-        ids = torch.randint(0, 97, (2, 16), generator=gen)
-        for m, o in ((ref, plain), (model, opt)):
-            m(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            o.step()
-            o.zero_grad()
+    train_gpt2_lockstep([(ref, plain), (model, opt)], 5)
     _same_state_dicts(ref, model)
     opt.close()
 

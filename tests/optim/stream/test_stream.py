@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
+from tests.optim.stream.lockstep import train_gpt2_lockstep
 from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
@@ -190,15 +191,11 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
         model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=20480,
         offload_parameters=True,
     )  # fmt: skip
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        ids = torch.randint(0, 97, (2, 16), generator=gen)
-        for m, o in ((ref, plain), (model, opt)):
-            m(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            o.step()
-            o.zero_grad()
+
+    def nothing_held() -> None:
         assert _held(model) == 0
+
+    train_gpt2_lockstep([(ref, plain), (model, opt)], 4, after_step=nothing_held)
     _same_state_dicts(ref, model)
     plain.close()
     opt.close()
