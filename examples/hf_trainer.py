@@ -80,7 +80,7 @@ def train(
     ``save_steps`` > 0 saves a checkpoint every that many steps (keeping ``save_total_limit``);
     ``resume`` is a checkpoint folder to resume from. ``muon`` steps the blocks' matrices with
     torch.optim.Muon and the rest with AdamW, in the one optimizer the Trainer takes. ``stream``
-    streams the parameters and gradients too (``offload_parameters=True``: the model is given;
+    streams the parameters and gradients too (``offload_parameters=True``: the model is named;
     the Trainer's clipping works on the gradients kept in the swap folder).
     """
     model = make_model(**(model_kwargs or {}))
@@ -89,9 +89,9 @@ def train(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         params = muon_groups(model) if muon else model.named_parameters()
-        opt = ts.SwapOptimizer(model if stream else params, torch.optim.AdamW, lr=1e-3,
-                               swap_dir=swap_dir, host_budget=host_budget,
-                               offload_parameters=stream)  # fmt: skip
+        opt = ts.SwapOptimizer(params, torch.optim.AdamW, lr=1e-3, swap_dir=swap_dir,
+                               host_budget=host_budget, offload_parameters=stream,
+                               model=model if stream else None)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
         logging_steps=1, report_to=[], use_cpu=True, seed=0,

@@ -52,6 +52,24 @@ def test_trainer_with_swap_optimizer_matches_plain_adamw(tmp_path) -> None:
         opt.close()
 
 
+def test_trainer_streaming_muon_groups_matches_the_optimizer_that_does_not_stream(
+    tmp_path,
+) -> None:
+    """Muon for the blocks' matrices beside AdamW (param groups, ``model=`` names the
+    model) under the Trainer, with its clipping: equal to the same groups not streamed."""
+    example = _example()
+    run = {"steps": 3, "host_budget": "1MiB", "model_kwargs": TINY, "muon": True}
+    plain, plain_model = example.train(tmp_path / "a", output_dir=tmp_path / "oa", **run)
+    swap, swap_model = example.train(tmp_path / "b", output_dir=tmp_path / "ob", stream=True, **run)
+    try:
+        state = swap_model.state_dict()
+        for name, value in plain_model.state_dict().items():
+            assert torch.equal(state[name], value), name
+    finally:
+        find_swap_optimizer(plain.optimizer).close()
+        find_swap_optimizer(swap.optimizer).close()
+
+
 def test_trainer_streaming_parameters_matches_plain_adamw(tmp_path) -> None:
     """offload_parameters=True under the Trainer: its clipping (max_grad_norm=1.0, through
     Accelerate to torch's clip_grad_norm_) works on the gradients in the swap folder."""

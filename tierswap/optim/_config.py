@@ -34,7 +34,8 @@ class SwapConfig:
     ``master`` choose the compact formats of :mod:`tierswap.optim.formats` (``"fp32"``:
     exact, the default). ``offload_parameters`` streams the parameters too
     (:mod:`tierswap.optim.stream`); ``param_init_fn`` initializes those of a model built on
-    the meta device (:mod:`tierswap.optim.stream._meta`).
+    the meta device (:mod:`tierswap.optim.stream._meta`); ``model`` names the model whose
+    parameters stream when the optimizer is given param groups.
     """
 
     swap_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None
@@ -51,6 +52,7 @@ class SwapConfig:
     master: MasterFormat = "fp32"
     offload_parameters: bool = False
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    model: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         if self.host_budget is not None:
@@ -92,7 +94,14 @@ class SwapConfig:
             raise ConfigError(
                 f"param_init_fn={self.param_init_fn!r} must be a function of a module"
             )
+        if self.model is not None and not isinstance(self.model, torch.nn.Module):
+            raise ConfigError(f"model={self.model!r} must be a torch.nn.Module")
         if not self.offload_parameters:
+            if self.model is not None:
+                raise ConfigError(
+                    "model= names the modules whose hooks stream the parameters: it needs "
+                    "offload_parameters=True"
+                )
             if self.param_init_fn is not None:
                 raise ConfigError(
                     "param_init_fn initializes a model built on the meta device, whose "

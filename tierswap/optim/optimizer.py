@@ -149,10 +149,11 @@ class SwapOptimizer(Checkpoints):
         exactly (the parameter is then rounded half up, not half to even). Other parameters
         ignore it.
     offload_parameters:
-        Stream the parameters too, for a model whose parameters do not fit (``params`` must be
-        the model): between uses a parameter holds no memory (its shape, dtype and identity
-        stay); each module's parameters are read from the swap space just before its forward
-        and again when backward reaches it, and freed after; the step updates them there.
+        Stream the parameters too, for a model whose parameters do not fit (``params`` is the
+        model, or param groups with ``model=``): between uses a parameter holds no memory (its
+        shape, dtype and identity stay); each module's parameters are read from the swap space
+        just before its forward and again when backward reaches it, and freed after; the step
+        updates them there.
         Gradients go to the swap space as backward finalizes them (``param.grad`` holds a
         stand-in, on which torch's ``clip_grad_norm_`` works); ``device_budget`` then keeps
         the parameters used soonest between uses, instead of optimizer state.
@@ -175,6 +176,11 @@ class SwapOptimizer(Checkpoints):
         ``model._init_weights``. A parameter no call gave a value raises ``ConfigError``. Meta
         parameters come to ``torch.get_default_device()``; meta buffers get zeroed memory
         there first.
+    model:
+        With ``offload_parameters`` and param groups in ``params`` (weight decay on some
+        parameters only, Muon for the hidden matrices): the model whose modules' hooks stream
+        them; every parameter in the groups must be one of its. ``params`` may be the model
+        itself instead (one group).
     **optimizer_kwargs:
         Passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay``, ``fused``, ...).
     """
@@ -198,6 +204,7 @@ class SwapOptimizer(Checkpoints):
         master: MasterFormat = "fp32",
         offload_parameters: bool = False,
         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+        model: torch.nn.Module | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         config = SwapConfig(
@@ -205,21 +212,16 @@ class SwapOptimizer(Checkpoints):
             policy=policy, durable=durable, commit_every=commit_every, resume=resume,
             overlap=overlap, accumulation_steps=accumulation_steps, resume_from=resume_from,
             state_precision=state_precision, master=master,
-            offload_parameters=offload_parameters, param_init_fn=param_init_fn,
+            offload_parameters=offload_parameters, param_init_fn=param_init_fn, model=model,
         )  # fmt: skip
         check_class(optimizer_class)
-        model = params if isinstance(params, torch.nn.Module) else None
-        unborn = Placed([], [])
-        if model is not None:
-            unborn = _place_meta(model, config)
-            params = model.named_parameters()
-        try:
-            inner = optimizer_class(own_defaults(params), **optimizer_kwargs)
-            self._setup(inner, config, model, unborn)
-        except BaseException:  # the model as it came: a corrected call starts again from it
-            for param in unborn.params:
-                to_meta(param)
-            raise
+        if isinstance(params, torch.nn.Module):
+            if model is not None and model is not params:
+                raise ConfigError("params is a model and model= names another one: pass one")
+            model, params = params, params.named_parameters()
+        self._build(
+            lambda: optimizer_class(own_defaults(params), **optimizer_kwargs), config, model
+        )
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **swap_kwargs: Any) -> SwapOptimizer:
@@ -240,8 +242,25 @@ class SwapOptimizer(Checkpoints):
         check_class(type(optimizer))
         config = SwapConfig.from_keywords(**swap_kwargs)
         swap = cls.__new__(cls)  # the alternate constructor: the inner optimizer exists
-        swap._setup(optimizer, config)
+        swap._build(lambda: optimizer, config, config.model)
         return swap
+
+    def _build(
+        self,
+        make_inner: Callable[[], torch.optim.Optimizer],
+        config: SwapConfig,
+        model: torch.nn.Module | None,
+    ) -> None:
+        """Place ``model``'s meta parameters, then :meth:`_setup` around the torch optimizer
+        ``make_inner`` makes; a failure returns those parameters to the meta device, so a
+        corrected call starts again from the model as it came."""
+        unborn = _place_meta(model, config) if model is not None else Placed([], [])
+        try:
+            self._setup(make_inner(), config, model, unborn)
+        except BaseException:
+            for param in unborn.params:
+                to_meta(param)
+            raise
 
     # -- construction ---------------------------------------------------------------------
     def _setup(
@@ -255,7 +274,7 @@ class SwapOptimizer(Checkpoints):
             raise ConfigError(
                 "offload_parameters=True needs the model, whose modules' hooks read the "
                 "parameters: SwapOptimizer(model, torch.optim.AdamW, ..., "
-                "offload_parameters=True)"
+                "offload_parameters=True), or, with param groups, model=model"
             )
         self._ready = False  # torch's constructor calls add_param_group before the rest exists
         #: What was built on the meta device: placed without values until ``_start``.
@@ -280,6 +299,8 @@ class SwapOptimizer(Checkpoints):
         for group in self.param_groups:
             slots += self._new_slots(group, len(slots))
         check_unique([slot.prefix for slot in slots])
+        if model is not None and config.offload_parameters:
+            _check_owned(model, slots)
         layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
             persist.seed_swap_dir(config.swap_dir, config.resume_from)
@@ -617,6 +638,18 @@ def _commit_every(every: int | str) -> int | str:
     commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
     so there it commits every step."""
     return 1 if every == "auto" and world()[1] > 1 else every
+
+
+def _check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
+    """Raise ``ConfigError`` unless every parameter the optimizer streams is ``model``'s (its
+    modules' hooks are what read a streamed parameter)."""
+    owned = {id(param) for param in model.parameters()}
+    strays = [slot.name or slot.prefix for slot in slots if id(slot.param) not in owned]
+    if strays:
+        raise ConfigError(
+            f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
+            "with offload_parameters=True every parameter must be one (its module reads it)"
+        )
 
 
 def _place_meta(model: torch.nn.Module, config: SwapConfig) -> Placed:

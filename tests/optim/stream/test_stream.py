@@ -571,3 +571,80 @@ def test_model_load_state_dict_writes_the_loaded_values_to_the_swap_space(
         _same_state_dicts(ref, model)
         opt.close()
         assert_same_params(ref, model)
+
+
+def _decay_groups(model: torch.nn.Module) -> list[dict[str, object]]:
+    """Weight decay on the matrices only, as trainers group parameters."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def test_param_groups_stream_with_model_named(tmp_path: Path) -> None:
+    """Param groups (weight decay on some parameters only) with ``model=``, through the
+    constructor and through ``offload()``: bitwise torch's AdamW with the same groups."""
+    ref, model = _pair()
+    _, model2 = _pair()
+    plain = torch.optim.AdamW(_decay_groups(ref), lr=1e-2)
+    opt = SwapOptimizer(
+        _decay_groups(model), torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path / "a",
+        host_budget=20480, offload_parameters=True, model=model,
+    )  # fmt: skip
+    opt2 = offload(
+        torch.optim.AdamW(_decay_groups(model2), lr=1e-2), swap_dir=tmp_path / "b",
+        host_budget=20480, offload_parameters=True, model=model2,
+    )  # fmt: skip
+    for step in range(4):
+        _train(ref, plain, step, 0.5)
+        _train(model, opt, step, 0.5)
+        _train(model2, opt2, step, 0.5)
+        assert _held(model) == _held(model2) == 0
+    _same_state_dicts(ref, model)
+    _same_state_dicts(ref, model2)
+    opt.close()
+    opt2.close()
+
+
+def test_muon_for_the_matrices_beside_adamw_streams(tmp_path: Path) -> None:
+    """Muon's groups step whole matrices: streamed, they match the optimizer that does not
+    stream."""
+    ref, model = _pair()
+
+    def groups(m: torch.nn.Module) -> list[dict[str, object]]:
+        named = list(m.named_parameters())
+        matrices = [(n, p) for n, p in named if p.dim() == 2]
+        rest = [(n, p) for n, p in named if p.dim() != 2]
+        return [
+            {"params": [p for _, p in matrices], "param_names": [n for n, _ in matrices],
+             "optimizer_class": torch.optim.Muon, "lr": 0.02},
+            {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]},
+        ]  # fmt: skip
+
+    plain = SwapOptimizer(groups(ref), torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
+    opt = SwapOptimizer(
+        groups(model), torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=160 << 10,
+        offload_parameters=True, model=model, **KWARGS,
+    )  # fmt: skip
+    for step in range(4):
+        _train(ref, plain, step, 0.5)
+        _train(model, opt, step, 0.5)
+    _same_state_dicts(ref, model)
+    plain.close()
+    opt.close()
+
+
+def test_groups_and_model_that_do_not_match_are_refused(tmp_path: Path) -> None:
+    _, model = _pair()
+    _, other = _pair()
+    with pytest.raises(ConfigError, match="needs offload_parameters=True"):
+        SwapOptimizer(model.parameters(), swap_dir=tmp_path / "a", model=model)
+    with pytest.raises(ConfigError, match="names another one"):
+        SwapOptimizer(model, swap_dir=tmp_path / "b", offload_parameters=True, model=other)
+    with pytest.raises(ConfigError, match="not parameters of the model"):
+        SwapOptimizer(
+            [*model.parameters(), *other.out.parameters()], swap_dir=tmp_path / "c",
+            offload_parameters=True, model=model,
+        )  # fmt: skip
+    assert _held(model) > 0  # refused before anything was freed
