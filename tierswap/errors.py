@@ -129,5 +129,5 @@ class SavepointError(TierswapError, RuntimeError):
 
 class GradientOffloadedError(TierswapError, RuntimeError):
     """Code read or changed the gradient of a parameter that ``offload_parameters`` keeps in
-    the swap space (``torch.nn.utils.clip_grad_norm_``, a ``GradScaler``, an in-place edit):
-    it would see nothing, so it is stopped."""
+    the swap space (an in-place edit, a read of its values; clipping and a ``GradScaler``'s
+    unscale are answered from the swap space): it would see nothing, so it is stopped."""

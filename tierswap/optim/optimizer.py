@@ -161,9 +161,8 @@ class SwapOptimizer(Checkpoints):
         built on the meta device go back to it, for a model too large for memory). Bitwise
         equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
         bytes an element. So far: the step runs after backward (no speculation),
-        ``add_param_group`` is refused, a ``GradScaler`` cannot
-        unscale the kept gradients (it raises), and a parameter must be used inside the
-        forward of a module that owns it.
+        ``add_param_group`` is refused, and a parameter must be used inside the forward of a
+        module that owns it.
         ``docs/optimizer.md``, "Streaming parameters".
     param_init_fn:
         With ``offload_parameters``, for a model built on the meta device (too large to build

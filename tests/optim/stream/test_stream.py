@@ -1,7 +1,8 @@
 """Parameter streaming (``offload_parameters=True``): the parameters hold no memory between
 uses, each module's come back for its forward and its backward, and training is bitwise the
 training of the plain optimizer (torch's AdamW in memory, or a SwapOptimizer that does not
-stream), with clipping, tied weights, activation checkpointing, accumulation and resumes."""
+stream), with clipping, a GradScaler, tied weights, activation checkpointing, accumulation,
+param groups and resumes."""
 
 from __future__ import annotations
 
@@ -648,3 +649,29 @@ def test_groups_and_model_that_do_not_match_are_refused(tmp_path: Path) -> None:
             offload_parameters=True, model=model,
         )  # fmt: skip
     assert _held(model) > 0  # refused before anything was freed
+
+
+@pytest.mark.parametrize("host_budget", [20480, None], ids=["streamed", "resident"])
+def test_grad_scaler_unscales_clips_and_skips_steps_as_torch(
+    tmp_path: Path, host_budget: int | None
+) -> None:
+    """A ``GradScaler`` (the CPU one here): its unscale checks the kept gradients for inf and
+    NaN and records its factor; a step whose gradients overflowed is skipped and the scale
+    backs off, as with the gradients in memory; then clipping: bitwise torch's AdamW."""
+    ref, model, plain, opt = _streaming(tmp_path, host_budget=host_budget)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in "ab"]
+    for step in range(6):
+        for m, o, scaler in ((ref, plain, scalers[0]), (model, opt, scalers[1])):
+            loss = m(batch_for_step(step)).square().mean()
+            if step == 2:  # an overflow: every gradient is inf or NaN
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        _same_state_dicts(ref, model)
+    assert opt.steps == 5  # the overflowed step was skipped
+    opt.close()

@@ -7,9 +7,11 @@ global-norm clipping works on it as it does on a gradient in memory, bitwise:
 call) takes each gradient's norm, which the stand-in answers from the swap space (the 2-norm
 noted as backward finalized the gradient, else the gradient read back), and multiplies each
 gradient by the clipping factor in place, which the stand-in records for the step to apply
-as it reads the gradient. Any other operation (``GradScaler.unscale_``, an edit, a read of
-the values) raises :class:`~tierswap.errors.GradientOffloadedError`: it would not see the
-gradient, and must not silently do nothing.
+as it reads the gradient. A ``GradScaler``'s unscale works the same way: whether each gradient
+is finite is noted in backward (read back the first time a scaler asks), and its factor is
+recorded. Any other operation (an edit, a read of the values) raises
+:class:`~tierswap.errors.GradientOffloadedError`: it would not see the gradient, and must not
+silently do nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _aten = torch.ops.aten
 #: In-place multiplications by one factor: what clipping does to each gradient.
 _SCALES = {_aten.mul_.Tensor, _aten.mul_.Scalar}
 _LIST_SCALES = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
+#: A ``GradScaler``'s unscale of a list of gradients, checking them for inf and NaN.
+_UNSCALE = _aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
 class GradientKeeper(Protocol):
@@ -40,6 +44,10 @@ class GradientKeeper(Protocol):
         """Record that slot ``index``'s kept gradient is multiplied by ``factor``."""
         ...
 
+    def grad_finite(self, index: int) -> bool:
+        """Whether slot ``index``'s kept gradient, scaled as recorded, is all finite."""
+        ...
+
 
 class OffloadedGradient(torch.Tensor):
     """The stand-in gradient of the parameter of slot ``index``, whose gradient ``keeper``
@@ -48,8 +56,8 @@ class OffloadedGradient(torch.Tensor):
     _MESSAGE: ClassVar[str] = (
         "this gradient lives in the swap space (offload_parameters=True keeps gradients off "
         "the model), so {op} would not see it; clipping (torch.nn.utils.clip_grad_norm_ or "
-        "opt.clip_grad_norm_) works, GradScaler and other uses of param.grad are not "
-        "supported with offload_parameters yet"
+        "opt.clip_grad_norm_) and a GradScaler's unscale work, other uses of param.grad are "
+        "not supported with offload_parameters yet"
     )
 
     _keeper: weakref.ref[GradientKeeper]
@@ -81,6 +89,9 @@ class OffloadedGradient(torch.Tensor):
                 for g in grad:
                     g._keeper_or_raise(func).scale_grad(g._index, args[1])
                 return None
+            if func is _UNSCALE and len(args) == 3 and _is_factor(args[2]):
+                _unscale(grad, found_inf=args[1], inv_scale=args[2])
+                return None
         if isinstance(grad, OffloadedGradient) and not kwargs:
             if func is _aten.linalg_vector_norm.default and len(args) <= 2:
                 return grad._keeper_or_raise(func).grad_norm(grad._index, _ord(args))
@@ -97,6 +108,19 @@ class OffloadedGradient(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"OffloadedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _unscale(
+    grads: list[OffloadedGradient], *, found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """A ``GradScaler``'s unscale (``_amp_foreach_non_finite_check_and_unscale_``) of kept
+    gradients: ``found_inf`` becomes 1 if one of them has an inf or NaN, and each is
+    multiplied by ``inv_scale`` (recorded, as clipping's factor is), found or not."""
+    for g in grads:
+        if not g._keeper_or_raise(_UNSCALE).grad_finite(g._index):
+            found_inf.fill_(1.0)
+    for g in grads:
+        g._keeper_or_raise(_UNSCALE).scale_grad(g._index, inv_scale)
 
 
 def _all_offloaded(value: Any) -> bool:

@@ -100,6 +100,10 @@ class ParameterStream:
         self._uses: dict[int, list[int]] = {}  # slot -> its positions in the recorded order
         #: The 2-norm of each kept gradient (for ``clip_grad_norm_``), by slot index.
         self.norms: dict[int, torch.Tensor] = {}
+        #: Whether each kept gradient is finite (for a ``GradScaler``), noted in backward once
+        #: a scaler has asked (``_note_finite``): before that the first ask reads it back.
+        self.finite: dict[int, bool] = {}
+        self._note_finite = False
         self.kept_grad_bytes = 0  # gradients put in the swap space
         self.fetched_bytes = 0  # read from the store
         self.copied_bytes = 0  # copied from resident slices
@@ -201,6 +205,11 @@ class ParameterStream:
                 self.parts.state.grad_scales.pop(slot.index, None)
                 self._keep_grad(slot, grad)
                 self.norms[slot.index] = _norm(grad, 2.0)
+                if self._note_finite:
+                    low, high = grad.aminmax()  # both finite: no inf, no NaN (they propagate)
+                    self.finite[slot.index] = bool(torch.isfinite(low) & torch.isfinite(high))
+                else:
+                    self.finite.pop(slot.index, None)
             param.grad = OffloadedGradient(param, self, slot.index)
         if self._users[slot.index] <= 0:
             self._let_go([slot.index])
@@ -232,6 +241,15 @@ class ParameterStream:
         if ord == 2.0 and not factors and index in self.norms:
             return self.norms[index].clone()
         return _norm(self._kept_grad(index), ord)
+
+    def grad_finite(self, index: int) -> bool:
+        """Whether slot ``index``'s kept gradient, scaled as recorded, has no inf or NaN (what
+        a ``GradScaler``'s unscale checks): noted in backward, or read back (and from then on
+        noted in every backward)."""
+        if not self.parts.state.grad_scales.get(index) and index in self.finite:
+            return self.finite[index]
+        self._note_finite = True
+        return bool(torch.isfinite(self._kept_grad(index)).all())
 
     def scale_grad(self, index: int, factor: Any) -> None:
         """Record that slot ``index``'s kept gradient is multiplied by ``factor`` in place (the
