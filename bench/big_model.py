@@ -18,8 +18,10 @@ Three processes, one after the other:
   stream   the run: per iteration its phases, loss and the swap's bytes read and written
            (progress lines on stderr), and peak RSS
 
---check-ram (for a model that fits) also trains it in memory with torch's AdamW, initialized
-from the same seed, and checks the losses are bitwise the streamed run's.
+--check-ram (for a model that fits) also trains it in memory with torch's AdamW (with --bf16:
+a SwapOptimizer holding everything in memory, for exact masters), initialized from the same
+seed, and checks the losses are bitwise the streamed run's. --bf16 makes the parameters bf16
+with ``master="remainder"``: they stream at 2 bytes an element.
 
 Reports each iteration against max(compute, I/O bound) (target: <= 1.2x), whether the loss
 falls, and peak RSS against the import baseline + 1.1 x (host + device budgets + the largest
@@ -31,6 +33,7 @@ writes in place, for a model whose state fills more than half the disk.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -55,14 +58,13 @@ TARGET = 1.2
 CLIP = 1.0
 
 
-def _model(layers: int, width: int, meta: bool) -> Any:
+def _model(layers: int, width: int, meta: bool, bf16: bool = False) -> Any:
     import torch
     from _e2e_child import build_gpt2
 
-    if not meta:
-        return build_gpt2(layers, width)
-    with torch.device("meta"):
-        return build_gpt2(layers, width)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build_gpt2(layers, width)
+    return model.to(torch.bfloat16) if bf16 else model
 
 
 def _tokens(vocab: int) -> Any:
@@ -78,15 +80,15 @@ def run_compute(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.manual_seed(0)
-    return {"probes": [_probe(layers, args.width) for layers in args.probe_layers]}
+    return {"probes": [_probe(layers, args.width, args.bf16) for layers in args.probe_layers]}
 
 
-def _probe(layers: int, width: int) -> dict[str, Any]:
+def _probe(layers: int, width: int, bf16: bool) -> dict[str, Any]:
     """Seconds of forward + backward (median of 3 after one warm-up) and the bytes autograd
     saved for backward (each storage once, parameters excluded) at ``layers`` layers."""
     import torch
 
-    model = _model(layers, width, meta=False)
+    model = _model(layers, width, meta=False, bf16=bf16)
     tokens = _tokens(model.config.vocab_size)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -111,15 +113,21 @@ def _probe(layers: int, width: int) -> dict[str, Any]:
 
 
 def run_ram(args: argparse.Namespace) -> dict[str, Any]:
-    """--check-ram: the same model and training in memory, torch's AdamW (the model must fit):
+    """--check-ram: the same model and training in memory, torch's AdamW (the model must fit;
+    with --bf16, a SwapOptimizer that keeps everything in memory, for the exact masters):
     the losses the streamed run must match bitwise."""
     import torch
 
-    model = _model(args.layers, args.width, meta=False)
+    import tierswap as ts
+
+    model = _model(args.layers, args.width, meta=False, bf16=args.bf16)
     torch.manual_seed(0)  # the seed the streamed run initializes from, in the same order
     model.apply(model._init_weights)
     tokens = _tokens(model.config.vocab_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    kwargs = {"lr": args.lr, "weight_decay": 0.0}
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), **kwargs)
+    if args.bf16:  # exact fp32 masters, all in memory
+        opt = ts.SwapOptimizer(model.parameters(), master="remainder", host_budget=None, **kwargs)
     losses = []
     for _ in range(args.steps):
         loss = model(input_ids=tokens, labels=tokens).loss
@@ -150,7 +158,7 @@ def run_stream(args: argparse.Namespace) -> dict[str, Any]:
     torch.optim.AdamW([warm]).step()  # torch's optimizer machinery: part of the baseline
     baseline = current_rss()
     torch.manual_seed(0)
-    model = _model(args.layers, args.width, meta=True)
+    model = _model(args.layers, args.width, meta=True, bf16=args.bf16)
     tokens = _tokens(model.config.vocab_size)
     numel = sum(p.numel() for p in model.parameters())
     largest = max(
@@ -162,6 +170,7 @@ def run_stream(args: argparse.Namespace) -> dict[str, Any]:
         model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, swap_dir=args.swap_dir,
         host_budget=args.host_budget, device_budget=args.device_budget,
         offload_parameters=True, param_init_fn=model._init_weights, durable=not args.scratch,
+        master="remainder" if args.bf16 else "fp32",
     )  # fmt: skip
     init_s = time.perf_counter() - start
     _progress(f"built and initialized {numel / 1e9:.2f}B parameters in {init_s:.0f} s")
@@ -208,8 +217,7 @@ def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
                "--lr", str(args.lr),
                "--device-budget", str(args.device_budget),
                "--probe-layers", ",".join(map(str, args.probe_layers))]  # fmt: skip
-    if args.scratch:
-        command.append("--scratch")
+    command += ["--scratch"] * args.scratch + ["--bf16"] * args.bf16
     proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{role} failed (exit {proc.returncode})")
@@ -233,6 +241,7 @@ def report(
     losses = [row["loss"] for row in rows]
     return {
         "layers": args.layers, "width": args.width, "params": stream["params"],
+        "dtype": "bf16 (fp32 masters as remainders)" if args.bf16 else "fp32",
         "state_bytes": 16 * stream["params"], "fio": fio, "compute_s": compute_s,
         "activations": activations, "probes": probes, "init_s": stream["init_s"],
         "rows": rows, "steady_max_x_floor": max((r["x_floor"] for r in rows[1:]), default=None),
@@ -244,7 +253,7 @@ def report(
 
 def print_report(rep: dict[str, Any], ram: int) -> None:
     state = rep["state_bytes"]
-    print(f"\n== GPT-2 {rep['layers']} x {rep['width']}: {rep['params'] / 1e9:.2f}B fp32 "
+    print(f"\n== GPT-2 {rep['layers']} x {rep['width']}: {rep['params'] / 1e9:.2f}B {rep['dtype']} "
           f"parameters; parameters + gradients + AdamW state {state / 1e9:.1f} GB = "
           f"{state / ram:.2f}x this machine's RAM ({ram / 2**30:.1f} GiB)")  # fmt: skip
     print(f"fio: read {rep['fio']['read'] / 1e9:.2f} GB/s, write {rep['fio']['write'] / 1e9:.2f}")
@@ -268,7 +277,7 @@ def print_report(rep: dict[str, Any], ram: int) -> None:
     print(f"loss falls every iteration: {'PASS' if rep['loss_falls'] else 'FAIL'}")
     if "ram_losses" in rep:
         same = "PASS" if rep["losses_bitwise"] else "FAIL"
-        print(f"losses bitwise equal to torch's AdamW in memory {rep['ram_losses']}: {same}")
+        print(f"losses bitwise equal to the optimizer in memory {rep['ram_losses']}: {same}")
     above, limit = rep["peak_above_baseline"], rep["rss_limit"]
     print(f"peak RSS above the baseline {format_size(above)} <= 1.1 x (budgets + largest module's "
           f"parameters and gradients) + activations {format_size(int(limit))}: "
@@ -289,6 +298,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--scratch", action="store_true", help="durable=False: write in place")
+    parser.add_argument(
+        "--bf16", action="store_true",
+        help="bf16 parameters under master='remainder' (they stream at 2 bytes an element)",
+    )  # fmt: skip
     parser.add_argument(
         "--check-ram", action="store_true",
         help="also train the model in memory (it must fit) and compare the losses",
