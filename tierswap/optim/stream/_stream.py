@@ -20,13 +20,19 @@ Gradients never pile up: as backward finalizes a parameter's gradient (the optim
 post-accumulate-grad hook), the gradient goes to the swap space too (into its resident slice,
 or written behind to the store from pooled host buffers within the host budget), its 2-norm is
 noted, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in, on which torch's
-clipping works (it asks the norms and records the factor); the step reads the gradient with
-the slice's state and applies the factors. Backward passes that accumulate add to the
+clipping works (it asks the norms and records the factor), and a ``GradScaler``'s unscale (it
+asks whether each is finite and records its factor); the step reads the gradient with the
+slice's state and applies the factors. Backward passes that accumulate add to the
 kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` keeps parameters between uses: when some are done with, those idle ones
 whose next use in the recorded order comes soonest keep their values (Belady, within the
 budget); the step updates a kept parameter in place, so it is read no more.
+
+``model.state_dict()`` reads the values from the swap space; ``model.load_state_dict()`` gives
+each module's parameters their values while it loads and writes what was loaded as their
+masters. A ``master="remainder"`` slot's values are its stored bf16 parameter (2 bytes an
+element), beside the remainder.
 
 Not yet: the parameters in use come on top of ``device_budget``, and a parameter used outside
 the forward of the modules that own it is not read for that use.
@@ -131,11 +137,11 @@ class ParameterStream:
             ]
         model = self._model()
         if model is not None:
-            self._handles += [
+            self._handles.append(
                 model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
                     functools.partial(_filled_state_dict, ref)
-                ),
-            ]
+                )
+            )
 
     def close(self) -> None:
         """Remove the hooks and read every parameter back into its memory (the model is whole
