@@ -54,6 +54,7 @@ from tierswap.optim.step import (
     register_grad_hooks,
     remove_grad_hooks,
     step_allocations,
+    trim_heap,
 )
 from tierswap.optim.stream import (
     ParameterStream,
@@ -471,6 +472,7 @@ class SwapOptimizer(Checkpoints):
         """
         if self._stream is not None:
             self._stream.step_begins()
+            trim_heap()  # forward and backward are over: what they freed leaves the heap
         self._stepper.end_speculation()
         self._adopt_direct_state()
         loss = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 from tierswap.optim.step._deferred import DeferredSteps
 from tierswap.optim.step._hooks import register as register_grad_hooks
 from tierswap.optim.step._hooks import remove as remove_grad_hooks
-from tierswap.optim.step._memory import hold_threshold, step_allocations
+from tierswap.optim.step._memory import hold_threshold, step_allocations, trim_heap
 from tierswap.optim.step._stepper import Stepper
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "register_grad_hooks",
     "remove_grad_hooks",
     "step_allocations",
+    "trim_heap",
 ]
