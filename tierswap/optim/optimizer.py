@@ -59,9 +59,9 @@ from tierswap.optim.step import (
 from tierswap.optim.stream import (
     ParameterStream,
     Placed,
-    has_meta,
+    check_owned,
     initialize,
-    place,
+    place_model,
     to_meta,
 )
 from tierswap.store import StorePaths
@@ -254,7 +254,9 @@ class SwapOptimizer(Checkpoints):
         """Place ``model``'s meta parameters, then :meth:`_setup` around the torch optimizer
         ``make_inner`` makes; a failure returns those parameters to the meta device, so a
         corrected call starts again from the model as it came."""
-        unborn = _place_meta(model, config) if model is not None else Placed([], [])
+        unborn = Placed([], [])
+        if model is not None:
+            unborn = place_model(model, offload=config.offload_parameters)
         try:
             self._setup(make_inner(), config, model, unborn)
         except BaseException:
@@ -300,7 +302,7 @@ class SwapOptimizer(Checkpoints):
             slots += self._new_slots(group, len(slots))
         check_unique([slot.prefix for slot in slots])
         if model is not None and config.offload_parameters:
-            _check_owned(model, slots)
+            check_owned(model, slots)
         layout = self._plan(slots, config.host_bytes)
         if config.resume_from is not None and config.swap_dir is not None:
             persist.seed_swap_dir(config.swap_dir, config.resume_from)
@@ -639,33 +641,6 @@ def _commit_every(every: int | str) -> int | str:
     commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
     so there it commits every step."""
     return 1 if every == "auto" and world()[1] > 1 else every
-
-
-def _check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
-    """Raise ``ConfigError`` unless every parameter the optimizer streams is ``model``'s (its
-    modules' hooks are what read a streamed parameter)."""
-    owned = {id(param) for param in model.parameters()}
-    strays = [slot.name or slot.prefix for slot in slots if id(slot.param) not in owned]
-    if strays:
-        raise ConfigError(
-            f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
-            "with offload_parameters=True every parameter must be one (its module reads it)"
-        )
-
-
-def _place_meta(model: torch.nn.Module, config: SwapConfig) -> Placed:
-    """Place ``model``'s meta parameters without values (:func:`~tierswap.optim.stream.
-    place`), on ``torch.get_default_device()`` (the CPU where that is the meta device)."""
-    if not has_meta(model):
-        return Placed([], [])
-    if not config.offload_parameters:
-        raise ConfigError(
-            "the model was built on the meta device (its parameters have no values): "
-            "SwapOptimizer(model, ..., offload_parameters=True) gives them their first values "
-            "in the swap space; without it, build the model in memory"
-        )
-    device = torch.get_default_device()
-    return place(model, torch.device("cpu") if device.type == "meta" else device)
 
 
 def _compute_device(tier: str) -> torch.device:

@@ -17,6 +17,7 @@ import torch
 
 from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
 from tests.optim.stream.lockstep import train_gpt2_lockstep
+from tests.optim.train_child import muon_groups
 from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
@@ -613,19 +614,9 @@ def test_muon_for_the_matrices_beside_adamw_streams(tmp_path: Path) -> None:
     stream."""
     ref, model = _pair()
 
-    def groups(m: torch.nn.Module) -> list[dict[str, object]]:
-        named = list(m.named_parameters())
-        matrices = [(n, p) for n, p in named if p.dim() == 2]
-        rest = [(n, p) for n, p in named if p.dim() != 2]
-        return [
-            {"params": [p for _, p in matrices], "param_names": [n for n, _ in matrices],
-             "optimizer_class": torch.optim.Muon, "lr": 0.02},
-            {"params": [p for _, p in rest], "param_names": [n for n, _ in rest]},
-        ]  # fmt: skip
-
-    plain = SwapOptimizer(groups(ref), torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
+    plain = SwapOptimizer(muon_groups(ref), torch.optim.AdamW, swap_dir=tmp_path / "a", **KWARGS)
     opt = SwapOptimizer(
-        groups(model), torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=160 << 10,
+        muon_groups(model), torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=160 << 10,
         offload_parameters=True, model=model, **KWARGS,
     )  # fmt: skip
     for step in range(4):

@@ -12,17 +12,19 @@ while their modules run, and the swap space keeps their values.
 
 from __future__ import annotations
 
-from tierswap.optim.stream._meta import Placed, has_meta, initialize, place
+from tierswap.optim.stream._meta import Placed, has_meta, initialize, place, place_model
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import to_meta
-from tierswap.optim.stream._stream import ParameterStream
+from tierswap.optim.stream._stream import ParameterStream, check_owned
 
 __all__ = [
     "OffloadedGradient",
     "ParameterStream",
     "Placed",
+    "check_owned",
     "has_meta",
     "initialize",
     "place",
+    "place_model",
     "to_meta",
 ]

@@ -37,7 +37,7 @@ from tierswap.errors import ConfigError
 from tierswap.optim.persist import OptimizerParts, read_master, write_master
 from tierswap.optim.stream._storage import allocate, free, to_placed
 
-__all__ = ["Placed", "has_meta", "initialize", "place"]
+__all__ = ["Placed", "has_meta", "initialize", "place", "place_model"]
 
 InitFn = Callable[[torch.nn.Module], None]
 
@@ -62,6 +62,22 @@ class Placed:
 
     params: list[torch.nn.Parameter]
     buffer_owners: list[torch.nn.Module]
+
+
+def place_model(model: torch.nn.Module, *, offload: bool) -> Placed:
+    """:func:`place` ``model``'s meta parameters, if it has any, on
+    ``torch.get_default_device()`` (the CPU where that is the meta device); ``offload``:
+    whether the optimizer streams them (``offload_parameters``), else a meta model is refused."""
+    if not has_meta(model):
+        return Placed([], [])
+    if not offload:
+        raise ConfigError(
+            "the model was built on the meta device (its parameters have no values): "
+            "SwapOptimizer(model, ..., offload_parameters=True) gives them their first values "
+            "in the swap space; without it, build the model in memory"
+        )
+    device = torch.get_default_device()
+    return place(model, torch.device("cpu") if device.type == "meta" else device)
 
 
 def place(model: torch.nn.Module, device: torch.device) -> Placed:

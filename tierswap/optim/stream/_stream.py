@@ -50,6 +50,7 @@ import torch
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
+from tierswap.errors import ConfigError
 from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import Segment, Slot, master_dtype
@@ -57,7 +58,7 @@ from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
 from tierswap.pipeline import Job, Region
 
-__all__ = ["PREFETCH_MODULES", "ParameterStream"]
+__all__ = ["PREFETCH_MODULES", "ParameterStream", "check_owned"]
 
 #: Modules whose parameters are read ahead of the one in use.
 PREFETCH_MODULES = 2
@@ -526,6 +527,18 @@ def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any
     stream = ref()
     if stream is not None:
         stream.before_backward(position)
+
+
+def check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
+    """Raise ``ConfigError`` unless every parameter the optimizer streams is ``model``'s (its
+    modules' hooks are what read a streamed parameter)."""
+    owned = {id(param) for param in model.parameters()}
+    strays = [slot.name or slot.prefix for slot in slots if id(slot.param) not in owned]
+    if strays:
+        raise ConfigError(
+            f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
+            "with offload_parameters=True every parameter must be one (its module reads it)"
+        )
 
 
 def _before_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
