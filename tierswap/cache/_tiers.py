@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tierswap.engine import Ledger
+from tierswap.engine import Ledger, ResidentSet
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.io import footprint
 from tierswap.tiers import MEMORY_TIERS, TierName
@@ -89,7 +89,8 @@ class Tier:
     counters (``hits``, ``misses``, ``bytes_in``, ``bytes_out``); every change of ``used`` is one
     of its ``try_reserve`` / ``release`` calls. The cache refines what those bytes are for:
 
-    - ``resident``: the sizes of ``entries`` (items ready, being read in, or being flushed);
+    - ``resident``: the sizes of ``entries`` (items ready, being read in, or being flushed), the
+      engine's resident book of this tier;
     - ``writing``: dirty victims being written down (their bytes free once the store has them);
     - ``promised``: the part of ``writing`` evicted to make room for a key, by that key;
     - ``earmarks``: bytes of written victims set aside for the key they were evicted for, until
@@ -112,14 +113,17 @@ class Tier:
         self.name = name
         self.ledger = Ledger(name, budget, cv)
         self.device = device  # where this tier's buffers live (the CPU for host memory)
-        self.entries: dict[str, Entry] = {}
-        self.resident = 0
+        self.entries: ResidentSet[str, Entry] = ResidentSet(self.ledger)
         self.writing = 0
         self.promised: dict[str, int] = {}
         self.earmarks: dict[str, int] = {}
         self.demand_waiting = 0
 
     # ------------------------------------------------------------ what the ledger holds
+    @property
+    def resident(self) -> int:
+        return self.entries.nbytes
+
     @property
     def budget(self) -> int:
         return self.ledger.budget
@@ -161,20 +165,18 @@ class Tier:
     # ------------------------------------------------------------ entries
     def add(self, entry: Entry) -> None:
         """``entry`` joins the tier; its bytes were reserved before (:meth:`take`)."""
-        self.entries[entry.key] = entry
-        self.resident += entry.size
+        self.entries.keep(entry.key, entry, entry.size)
         self.check()
 
     def remove(self, entry: Entry) -> None:
         """``entry`` leaves the tier; its bytes stay reserved (the caller moves them on)."""
-        del self.entries[entry.key]
-        self.resident -= entry.size
+        self.entries.leave(entry.key)
         self.check()
 
     def discard(self, entry: Entry) -> None:
         """``entry`` leaves the tier and its bytes return to the budget."""
-        self.remove(entry)
-        self.ledger.release(entry.size)
+        self.entries.drop(entry.key)
+        self.check()
 
     # ------------------------------------------------------------ write-backs
     def start_write(self, entry: Entry, for_key: str | None) -> None:
@@ -228,7 +230,6 @@ class Tier:
             raise AssertionError(f"{self.name} tier: books out of balance at close: {self!r}")
         self.entries.clear()
         self.earmarks.clear()
-        self.resident = 0
         self.ledger.release(self.ledger.used)
 
     # ------------------------------------------------------------ the invariant

@@ -3,7 +3,8 @@
 Both front ends compose the same parts: a byte :class:`Ledger` per memory tier (its invariant:
 ``0 <= used <= budget``, every byte reserved before it is allocated), a :class:`BufferPool` of
 page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choose what stays
-resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule), one
+resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule) and the
+book of what is (:class:`ResidentSet`, one per tier), one
 allocator for a tier's buffers (:func:`allocate`: the pool's, and the cache's items), and one
 statistics type (:class:`TierStats`, :class:`CacheStats`), and the transfers: disk <-> host
 through one :class:`Disk` per front end (reads into reserved buffers, write-behind raised
@@ -27,6 +28,7 @@ from tierswap.engine._disk import (
 from tierswap.engine._ledger import Ledger
 from tierswap.engine._placement import kept, place
 from tierswap.engine._pool import BufferPool, allocate, base_bytes
+from tierswap.engine._resident import ResidentSet
 from tierswap.engine._staging import DeviceStaging, Staged
 from tierswap.engine.belady import CycleReads, simulate
 from tierswap.engine.policies import (
@@ -63,6 +65,7 @@ __all__ = [
     "LookaheadPolicy",
     "PassThrough",
     "Region",
+    "ResidentSet",
     "ScheduledPolicy",
     "Staged",
     "StoreProtocol",

@@ -60,6 +60,7 @@ from tierswap.engine import (
     Disk,
     Ledger,
     Region,
+    ResidentSet,
     Staged,
     StoreProtocol,
     TierStats,
@@ -139,8 +140,9 @@ class Pipeline:
             else None
         )  # None: the work gets host tensors (or resident device ones), as they are
         self._reading: dict[Hashable, _Reading] = {}
-        self._resident: dict[Hashable, dict[Region, torch.Tensor]] = {}
-        self._resident_in: dict[Hashable, tuple[TierName, int]] = {}  # tier and bytes held
+        self._kept: dict[TierName, ResidentSet[Hashable, dict[Region, torch.Tensor]]] = {
+            tier: ResidentSet(ledger) for tier, ledger in self._ledgers.items()
+        }  # the resident jobs' tensors, by tier
         self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
@@ -161,7 +163,7 @@ class Pipeline:
         for job in jobs:
             if (
                 job.name in self._reading
-                or job.name in self._resident
+                or self.resident_tier(job.name) is not None
                 or self._disk.unsent_to(job.reads)
             ):
                 continue
@@ -188,7 +190,7 @@ class Pipeline:
             try:
                 staged = self._staged_for(job, tensors)
             except BaseException:
-                if job.name not in self._resident:
+                if self.resident_tier(job.name) is None:
                     self._give_back(job, tensors)
                 raise
             if position + 1 < len(jobs):
@@ -213,25 +215,23 @@ class Pipeline:
         held = self._held.get(job.name)
         if held == job:
             self._ledgers[HOST].count_use(hit=True)
-            return self._resident[job.name]
+            return self._kept[HOST][job.name]
         if held is not None:
             self._let_go(job.name)
         tensors = self._acquire(job)
-        self._resident[job.name] = tensors
-        self._resident_in[job.name] = (HOST, job.nbytes)
+        self._kept[HOST].keep(job.name, tensors, job.nbytes)
         self._held[job.name] = job
         return tensors
 
     def _let_go(self, name: Hashable) -> None:
         """Write held job ``name``'s tensors back, then return its bytes and buffers."""
-        tensors = self._resident.pop(name)
-        _, nbytes = self._resident_in.pop(name)
+        tensors = self._kept[HOST][name]
         del self._held[name]
         self._disk.write(tensors)
         self.drain()
         with self._cv:
             self._buffers.forget(tensors.values())
-            self._ledgers[HOST].release(nbytes)
+            self._kept[HOST].drop(name)
         self._ledgers[HOST].count_moved(out=nbytes_of(tensors))
 
     def scratch(self, job: Job) -> torch.Tensor | None:
@@ -259,9 +259,10 @@ class Pipeline:
 
     def _acquire(self, job: Job) -> dict[Region, torch.Tensor]:
         """The job's tensors: resident ones at once, else its reads (started here if need be)."""
-        if job.name in self._resident:
-            self._ledgers[self._resident_in[job.name][0]].count_use(hit=True)
-            return self._resident[job.name]
+        tier = self.resident_tier(job.name)
+        if tier is not None:
+            self._ledgers[tier].count_use(hit=True)
+            return self._kept[tier][job.name]
         started = time.perf_counter()
         stale = self._reading.get(job.name)
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
@@ -288,11 +289,12 @@ class Pipeline:
         writes: dict[Region, torch.Tensor],
     ) -> None:
         """Keep a resident job's results, or write the job back and free it when done."""
-        if job.name in self._resident:
-            if self._resident_in[job.name][0] == DEVICE:
-                self._resident[job.name].update(writes)
-            else:
-                self._land(job.name, self._resident[job.name], staged, writes)
+        tier = self.resident_tier(job.name)
+        if tier == DEVICE:
+            self._kept[DEVICE][job.name].update(writes)
+            return
+        if tier == HOST:
+            self._land(job.name, self._kept[HOST][job.name], staged, writes)
             return
         if job.tier is not None and self._keep(job, tensors, staged, writes):
             return
@@ -323,7 +325,7 @@ class Pipeline:
         buffers go back once no copy reads them (a resident job keeps its tensors)."""
         if staged is not None and self._staging is not None:
             self._staging.abandon(staged)
-        if job.name not in self._resident:
+        if self.resident_tier(job.name) is None:
             self._give_back(job, tensors)
 
     def _keep(
@@ -337,8 +339,7 @@ class Pipeline:
         has no room for it (it then streams, as any other job)."""
         assert job.tier is not None
         if job.tier == HOST:
-            self._resident[job.name] = tensors
-            self._resident_in[job.name] = (HOST, job.nbytes)  # its reserved bytes stay
+            self._kept[HOST].keep(job.name, tensors, job.nbytes)  # its reserved bytes stay
             self._land(job.name, tensors, staged, writes)
             return True
         device = self._ledgers[DEVICE]
@@ -347,7 +348,7 @@ class Pipeline:
                 if device.free < job.nbytes:
                     return False
             kept = {region: copy.device_tensor for region, copy in staged.copies.items()}
-            self._hold_on_device(job, {**kept, **writes})  # its bytes_in counted when staged
+            self._kept[DEVICE].keep(job.name, {**kept, **writes}, job.nbytes)  # bytes_in: staged
             staged.read.add_done_callback(lambda _: self._give_back(job, tensors))
             return True
         if not device.try_reserve(job.nbytes):
@@ -356,22 +357,18 @@ class Pipeline:
         device.count_moved(into=nbytes_of(merged))
         self._ledgers[HOST].count_moved(out=nbytes_of(merged))
         if not self._transfers.moves:  # a device tier in host memory keeps the same buffers
-            self._hold_on_device(job, merged)
+            self._kept[DEVICE].keep(job.name, merged, job.nbytes)
             with self._cv:  # they leave the host's books
                 self._ledgers[HOST].release(job.nbytes)
             return True
         copies = {region: self._transfers.to_device(t) for region, t in merged.items()}
-        self._hold_on_device(job, {r: self._transfers.ready(c) for r, c in copies.items()})
+        kept = {r: self._transfers.ready(c) for r, c in copies.items()}
+        self._kept[DEVICE].keep(job.name, kept, job.nbytes)
         # the host buffers go back to the pool once the copies have read them
         gather([c.done for c in copies.values()]).add_done_callback(
             lambda _: self._give_back(job, tensors)
         )
         return True
-
-    def _hold_on_device(self, job: Job, kept: dict[Region, torch.Tensor]) -> None:
-        """Record ``kept`` as the device-resident tensors of ``job`` (its bytes reserved)."""
-        self._resident[job.name] = kept
-        self._resident_in[job.name] = (DEVICE, job.nbytes)
 
     # ------------------------------------------------------------------ the device side
     def _staged_for(self, job: Job, tensors: dict[Region, torch.Tensor]) -> Staged[Region] | None:
@@ -399,8 +396,8 @@ class Pipeline:
     def _host_tensors_in(self, job: Job) -> dict[Region, torch.Tensor] | None:
         """The job's host tensors when they hold its bytes now (read, or resident and landed)."""
         assert self._staging is not None
-        if job.name in self._resident:
-            return self._resident[job.name] if self._staging.landed(job.name) else None
+        if job.name in self._kept[HOST]:
+            return self._kept[HOST][job.name] if self._staging.landed(job.name) else None
         reading = self._reading.get(job.name)
         if reading is None or reading.job != job or not reading.done.done():
             return None
@@ -450,7 +447,7 @@ class Pipeline:
     def _reserve(self, nbytes: int) -> None:
         """Reserve ``nbytes`` in the host ledger (the caller holds the condition)."""
         host = self._ledgers[HOST]
-        resident = self._resident_total(HOST) + self._buffers.work_bytes
+        resident = self._kept[HOST].nbytes + self._buffers.work_bytes
         if resident + nbytes > self.budget:
             raise BudgetError(
                 f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
@@ -509,9 +506,6 @@ class Pipeline:
             dtype = self._dtypes[key] = self._store.info(key).dtype
         return dtype
 
-    def _resident_total(self, tier: TierName) -> int:
-        return sum(n for t, n in self._resident_in.values() if t == tier)
-
     # ------------------------------------------------------------------ ends of a pass
     def drain(self) -> None:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
@@ -546,15 +540,16 @@ class Pipeline:
         if self._staging is not None:
             self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
-        for name, tensors in self._resident.items():
-            if self._resident_in[name][0] == DEVICE and self._transfers.moves:
-                self._write_from_device(self._resident_in[name][1], tensors)
-            else:
-                on_host.update(tensors)
+        for tier, book in self._kept.items():
+            for name, tensors in book.items():
+                if tier == DEVICE and self._transfers.moves:
+                    self._write_from_device(book.bytes_of(name), tensors)
+                else:
+                    on_host.update(tensors)
         self._disk.write(on_host)
         self.drain()  # waits for the writes, and raises the first that failed
-        for name, tensors in self._resident.items():
-            self._ledgers[self._resident_in[name][0]].count_moved(out=nbytes_of(tensors))
+        for tier, book in self._kept.items():
+            self._ledgers[tier].count_moved(out=sum(nbytes_of(t) for t in book.values()))
 
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write ``writes`` (on the host or the device) behind the caller, from copies in
@@ -596,12 +591,9 @@ class Pipeline:
         self.flush()
         with self._cv:
             self._buffers.drop_work()
-            for name, tensors in self._resident.items():
-                tier, nbytes = self._resident_in[name]
-                self._buffers.forget(tensors.values() if tier == HOST else ())
-                self._ledgers[tier].release(nbytes)
-            self._resident.clear()
-            self._resident_in.clear()
+            for tensors in self._kept[HOST].clear():
+                self._buffers.forget(tensors.values())
+            self._kept[DEVICE].clear()
             self._held.clear()
             self._dtypes.clear()
 
@@ -609,12 +601,12 @@ class Pipeline:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
         if self._staging is not None:
             self._staging.wait_landing(name)
-        return self._resident.get(name)
+        tier = self.resident_tier(name)
+        return self._kept[tier][name] if tier is not None else None
 
     def resident_tier(self, name: Hashable) -> TierName | None:
         """The tier holding job ``name`` between passes, or ``None`` (streamed)."""
-        placed = self._resident_in.get(name)
-        return placed[0] if placed is not None else None
+        return next((tier for tier, book in self._kept.items() if name in book), None)
 
     @property
     def held(self) -> int:
