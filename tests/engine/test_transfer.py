@@ -16,6 +16,7 @@ from tierswap.engine import (
     Ledger,
     PassThrough,
     ToDevice,
+    to_host_all,
     transfers_for,
 )
 from tierswap.errors import BudgetError
@@ -90,7 +91,7 @@ def test_staging_holds_device_bytes_until_the_results_land() -> None:
         assert ledger.used == 64
         assert staging.copy_in(32, host, wait=False) is None  # no room: not copied ahead
         device = staging.ready(staged)
-        written, landed = staging.copy_out({"a": torch.empty(8)}, {"a": device["a"] * 2})
+        written, landed = to_host_all(transfers, {"a": torch.empty(8)}, {"a": device["a"] * 2})
         done = staging.finished(staged, landed, moved=32)
         # the next copy in waits for room: the results in flight will free it
         later = staging.copy_in(32, host, wait=True)
@@ -125,7 +126,7 @@ def test_results_landing_in_host_tensors_are_waited_for() -> None:
         staged = staging.copy_in(16, resident, wait=False)
         assert staged is not None
         device = staging.ready(staged)
-        host, landed = staging.copy_out(resident, {"a": device["a"] + 5})
+        host, landed = to_host_all(transfers, resident, {"a": device["a"] + 5})
         assert host["a"] is resident["a"]
         staging.land("job", staging.finished(staged, landed, moved=16))
         assert not staging.landed("job")

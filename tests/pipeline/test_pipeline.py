@@ -157,6 +157,34 @@ def test_write_behind_copies_within_the_budget_and_orders_later_reads(store) -> 
     assert pipeline.held == 0
 
 
+def test_a_direct_write_orders_later_reads_and_reports_its_failure_to_its_caller(store) -> None:
+    pipeline = Pipeline(store, budget=2 * CHUNK)
+    values = torch.full((2048,), 3.0)
+    written = pipeline.write({Region("big", 2048, 4096): values})  # no copy, no budget taken
+    assert pipeline.held == 0
+    seen: list[torch.Tensor] = []
+    pipeline.run([Job("read", (Region("big", 2048, 4096),), 2 * CHUNK)], lambda job, t: (
+        seen.append(t[Region("big", 2048, 4096)].clone()) or {}
+    ))  # fmt: skip
+    assert written.exception() is None
+    assert torch.equal(seen[0], values)
+
+    class FullDisk:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_region_async(self, key, start, tensor):
+            failed: Future[None] = Future()
+            failed.set_exception(OutOfSpaceError("disk full"))
+            return failed
+
+    failing = Pipeline(FullDisk(), budget=2 * CHUNK)
+    with pytest.raises(OutOfSpaceError):
+        failing.write({Region("big", 0, 2048): values}).result()
+    failing.drain()  # the caller had it: not raised again
+    assert torch.equal(store.get("big")[:2048], torch.arange(2048.0))
+
+
 def test_a_job_larger_than_the_budget_is_refused(store) -> None:
     pipeline = Pipeline(store, budget=CHUNK)
     with pytest.raises(BudgetError, match="does not fit"):

@@ -23,7 +23,6 @@ from tierswap.engine._disk import (
     Target,
     nbytes_of,
     overlap,
-    write_regions,
 )
 from tierswap.engine._ledger import Ledger
 from tierswap.engine._placement import kept, place
@@ -48,6 +47,7 @@ from tierswap.engine.transfer import (
     Transfers,
     completed,
     download,
+    to_host_all,
     transfers_for,
     upload,
 )
@@ -85,7 +85,7 @@ __all__ = [
     "place",
     "policy_per_tier",
     "simulate",
+    "to_host_all",
     "transfers_for",
     "upload",
-    "write_regions",
 ]

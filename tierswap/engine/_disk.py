@@ -31,7 +31,7 @@ from tierswap.io import gather
 if TYPE_CHECKING:
     from tierswap.store import ArrayInfo
 
-__all__ = ["Disk", "Region", "StoreProtocol", "Target", "nbytes_of", "overlap", "write_regions"]
+__all__ = ["Disk", "Region", "StoreProtocol", "Target", "nbytes_of", "overlap"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +171,12 @@ class Disk:
         *,
         after: Future[Any] | None = None,
         then: Then | None = None,
-    ) -> None:
+        keep_errors: bool = True,
+    ) -> Future[Any]:
         """Write ``writes`` behind the caller, once ``after`` (if given) completes, and call
-        ``then(error)`` when they have ended; a failure is also kept for :meth:`raise_errors`.
+        ``then(error)`` when they have ended; a failure is also kept for :meth:`raise_errors`
+        unless ``keep_errors`` is false (the caller hears of it through ``then`` or the future
+        returned, which completes as the store's writes do).
 
         The store gets the writes on the thread that completes ``after``, so the caller never
         waits for a copy back from the device. The caller's tensors must stay unchanged until
@@ -182,10 +185,10 @@ class Disk:
         done: Future[Any] = Future()
         with self._cv:
             self._futures.append(done)
-        done.add_done_callback(lambda f: self._ended(f, then))
+        done.add_done_callback(lambda f: self._ended(f, then, keep_errors))
         if after is None or after.done():
             self._hand(writes, after, done)
-            return
+            return done
         handed: Future[None] = Future()
         with self._cv:
             self._unsent[handed] = tuple(writes)
@@ -199,6 +202,7 @@ class Disk:
                 handed.set_result(None)
 
         after.add_done_callback(hand)
+        return done
 
     def _hand(self, writes: Writes, after: Future[Any] | None, done: Future[Any]) -> None:
         """Give ``writes`` to the store (``after`` has completed); ``done`` ends with them."""
@@ -211,12 +215,12 @@ class Disk:
             return
         written.add_done_callback(lambda w: _settle(done, w))
 
-    def _ended(self, done: Future[Any], then: Then | None) -> None:
+    def _ended(self, done: Future[Any], then: Then | None, keep_errors: bool) -> None:
         """Record a write's end: its failure first (for the ``raise_errors`` of whoever its
         ``then`` wakes), then ``then``, and only then the write leaves :attr:`in_flight`, so
         that :meth:`wait` (and a front end waiting for room) finds what ``then`` gave back."""
         error = done.exception()
-        if error is not None:
+        if error is not None and keep_errors:
             with self._cv:
                 self._errors.append(error)
         try:

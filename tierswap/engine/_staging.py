@@ -83,9 +83,17 @@ class DeviceStaging(Generic[K]):
         if staged is not None:
             self._ahead[name] = staged
 
-    def take(self, name: Hashable) -> Staged[K] | None:
-        """The copies issued ahead for job ``name`` (``None``: none were)."""
-        return self._ahead.pop(name, None)
+    def for_work(
+        self, name: Hashable, nbytes: int, host_tensors: Mapping[K, torch.Tensor]
+    ) -> Staged[K]:
+        """Job ``name``'s copies for its work: those issued ahead, else issued now (after its
+        last results have landed in ``host_tensors``, waiting for device room)."""
+        staged = self._ahead.pop(name, None)
+        if staged is None:
+            self.wait_landing(name)
+            staged = self.copy_in(nbytes, host_tensors, wait=True)
+            assert staged is not None  # copy_in waited for room or raised
+        return staged
 
     def ready(self, staged: Staged[K]) -> dict[K, torch.Tensor]:
         """The device tensors of ``staged``, each waited for by the work's stream."""
@@ -108,15 +116,6 @@ class DeviceStaging(Generic[K]):
         self.release(staged.nbytes)
 
     # ------------------------------------------------------------------ out
-    def copy_out(
-        self, host: Mapping[K, torch.Tensor], writes: Mapping[K, torch.Tensor]
-    ) -> tuple[dict[K, torch.Tensor], Future[Any]]:
-        """Copy ``writes`` into ``host``'s buffers of the same keys (new buffers for the
-        others): the host tensors, and a future of the copies' landing."""
-        copies = {key: self.transfers.to_host(t, host.get(key)) for key, t in writes.items()}
-        landed = gather([c.done for c in copies.values()])
-        return {key: c.host_tensor for key, c in copies.items()}, landed
-
     def finished(self, staged: Staged[K], landed: Future[Any], moved: int) -> Future[Any]:
         """After a job's work: release its device bytes once its copies in and its results'
         copies out (``landed``, ``moved`` bytes) have all finished; the future of that."""

@@ -28,12 +28,16 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from collections.abc import Hashable, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from tierswap.engine._pool import allocate
+from tierswap.io import gather
+
+K = TypeVar("K", bound=Hashable)
 
 __all__ = [
     "CudaTransfers",
@@ -43,6 +47,7 @@ __all__ = [
     "ToHost",
     "Transfers",
     "completed",
+    "to_host_all",
     "transfers_for",
     "upload",
 ]
@@ -285,3 +290,14 @@ def download(transfers: Transfers, device_tensor: torch.Tensor, host_tensor: tor
     bytes have landed: the blocking form of :meth:`Transfers.to_host`."""
     copy = transfers.to_host(device_tensor, host_tensor.view(-1))
     copy.done.result()
+
+
+def to_host_all(
+    transfers: Transfers, host: Mapping[K, torch.Tensor], tensors: Mapping[K, torch.Tensor]
+) -> tuple[dict[K, torch.Tensor], Future[Any]]:
+    """Start copying ``tensors`` into ``host``'s buffers of the same keys (new buffers for the
+    others): the host tensors, and a future of the moment they all hold their bytes."""
+    copies = {key: transfers.to_host(t, host.get(key)) for key, t in tensors.items()}
+    return {key: c.host_tensor for key, c in copies.items()}, gather(
+        [c.done for c in copies.values()]
+    )

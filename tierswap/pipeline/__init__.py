@@ -6,11 +6,11 @@ of stored tensors it needs) through the three stages; its module says how. The j
 protocol are the engine's (:class:`~tierswap.engine.Disk`).
 """
 
-from tierswap.engine import Region, StoreProtocol, write_regions
+from tierswap.engine import Region, StoreProtocol
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.pipeline._pipeline import Pipeline
 
 #: What a pipeline needs from its store: the engine's store protocol.
 RegionStore = StoreProtocol
 
-__all__ = ["Job", "Pipeline", "Region", "RegionStore", "Work", "write_regions"]
+__all__ = ["Job", "Pipeline", "Region", "RegionStore", "Work"]

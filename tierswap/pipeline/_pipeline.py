@@ -1,41 +1,29 @@
-"""How :class:`Pipeline` streams jobs: read ahead, work, write behind, within one byte budget.
+"""How :class:`Pipeline` streams jobs: read ahead, work, write behind, within byte budgets.
 
-A cyclic workload over data larger than memory (an optimizer step, a pass over stored
-activations) is a list of :class:`Job` s, each naming the :class:`Region` s (element ranges of
-stored tensors) it needs. :meth:`Pipeline.run` moves every job through three stages:
+A cyclic workload over data larger than memory (an optimizer step) is a list of :class:`Job` s,
+each naming the :class:`Region` s (element ranges of stored tensors) it needs.
+:meth:`Pipeline.run` moves every job through three stages:
 
-1. **read-ahead**: the job's regions are read from the store into page-aligned (pinned when CUDA
-   is present) host buffers as soon as the budget has room, several jobs ahead of the work;
+1. **read-ahead**: the job's regions are read into pooled, page-aligned host buffers as soon as
+   the budget has room, several jobs ahead of the work;
 2. **work**: the caller's function runs on the caller's thread with the job's tensors and returns
    the tensors to write back (the same buffers, updated in place, or new ones);
-3. **write-behind**: those tensors are written to the store asynchronously; the job's bytes return
-   to the budget when its writes finish, while later jobs already work.
+3. **write-behind**: those are written asynchronously; the job's bytes return to the budget when
+   its writes finish, while later jobs already work.
 
-Each byte is read once and written once per pass. *Resident* jobs (``Job.tier``) skip stages 1
-and 3 after their first pass: their tensors stay in the device tier or in host memory, counted
-in that tier's budget, until :meth:`Pipeline.flush` writes them. A *held* job
-(:meth:`Pipeline.hold`) is a host-resident one without work of its own: read once, its tensors
-are the caller's to read and update in place (e.g. data that many jobs' work views: the scales
-of 8-bit state, a page of which serves several slices), written by ``flush``. Which jobs stay
-resident is the eviction policy's choice on the cyclic schedule (:func:`tierswap.engine.place`):
-Belady keeps a fixed set and streams the rest, since the job just finished is the one used
-furthest ahead.
+*Resident* jobs (``Job.tier``, chosen by the policy on the cyclic schedule:
+:func:`tierswap.engine.place`) skip stages 1 and 3 after their first pass: their tensors stay
+in the device or host tier (the engine's :class:`~tierswap.engine.ResidentSet`) until
+:meth:`Pipeline.flush`. A *held* job (:meth:`Pipeline.hold`) is a host-resident one without
+work of its own, whose tensors the caller reads and updates in place (e.g. the scales of 8-bit
+state, a page of which serves several slices).
 
-The budgets, buffers, transfers and policies are the engine's (:mod:`tierswap.engine`): one
-:class:`~tierswap.engine.Ledger` per memory tier, whose invariant ``0 <= used <= budget``
-holds at every moment. The jobs' host buffers come from one pool (``_buffers``); idle pooled
-buffers count against the room left, so buffers in use plus idle never exceed a budget. Reads
-and write-behinds go through the engine's :class:`~tierswap.engine.Disk`.
-
-**Work on the device** (``work_on_device=True`` with a transfer layer that moves bytes, e.g. a
-GPU): the work gets each job's tensors on the device and returns device tensors. A job's
-host-to-device copy (:meth:`~tierswap.engine.Transfers.to_device`, on a side stream) is issued
-before the work of the job ahead of it starts, when its read is in by then (else when the job
-is acquired), so it overlaps that work; the work's stream waits for the copy's event. The
-results are copied back with :meth:`~tierswap.engine.Transfers.to_host` after the work's event,
-and the write-behind hands them to the store only when that copy has landed, on the thread that
-completes it: the caller's thread never waits for the device. Streamed jobs in flight on the
-device count in the device ledger (the job's ``nbytes``) until their results have landed.
+Everything moves through the engine: a :class:`~tierswap.engine.Ledger` per memory tier
+(``0 <= used <= budget`` at every moment; idle pooled buffers count too), one
+:class:`~tierswap.engine.Disk` for reads and write-behinds, and, for work on the device, a
+:class:`~tierswap.engine.DeviceStaging` whose copies to the device are issued before the work
+of the job ahead starts, and whose copies back land before the write-behind hands them to the
+store: the caller's thread never waits for the device.
 
 Thread safety: ``prefetch``, ``run``, ``hold``, ``flush``, ``drain`` and ``release`` are called
 from one thread at a time (the caller's); I/O completions arrive on the store's threads and only
@@ -66,6 +54,7 @@ from tierswap.engine import (
     TierStats,
     Transfers,
     nbytes_of,
+    to_host_all,
     transfers_for,
 )
 from tierswap.errors import BudgetError
@@ -107,8 +96,7 @@ class Pipeline:
         Where device-tier tensors live (default: the CPU).
     transfers:
         How tensors move between host and ``device`` (default:
-        :func:`~tierswap.engine.transfers_for` ``(device)``); a stand-in with the same interface
-        may record the order of copies, events and steps.
+        :func:`~tierswap.engine.transfers_for` ``(device)``; tests pass a recording stand-in).
     work_on_device:
         Hand the work every job's tensors on the device and copy its results back (see above).
         Streamed jobs then pass through the device tier: ``device_budget`` must hold at least
@@ -161,13 +149,10 @@ class Pipeline:
         """Start reading ``jobs`` (in order) while the budget has room (their work buffer
         already held)."""
         for job in jobs:
-            if (
-                job.name in self._reading
-                or self.resident_tier(job.name) is not None
-                or self._disk.unsent_to(job.reads)
-            ):
+            in_memory = job.name in self._reading or self.resident_tier(job.name) is not None
+            if in_memory or self._disk.unsent_to(job.reads):
                 continue
-            sizes = self._buffer_sizes(job)
+            sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
             with self._cv:
                 claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
             if claimed is None:
@@ -179,25 +164,19 @@ class Pipeline:
 
         Returns once the last job's work is done; its writes may still be in flight
         (:meth:`drain` waits for them). A failed write-behind is raised here or by ``drain``.
-        With ``work_on_device``, the next job's copy to the device is issued before this job's
-        work starts, so that it runs while this job works.
         """
         self._hold_work_buffer(jobs, wait=True)
         for position, job in enumerate(jobs):
             self._disk.raise_errors()
             tensors = self._acquire(job)
             self._read_ahead(jobs[position + 1 :])  # the work buffer is held for all of them
+            staging, staged = self._staging_for(job), None
             try:
-                staged = self._staged_for(job, tensors)
-            except BaseException:
-                if self.resident_tier(job.name) is None:
-                    self._give_back(job, tensors)
-                raise
-            if position + 1 < len(jobs):
-                self._stage_ahead(jobs[position + 1])
-            try:
-                inputs = self._ready(staged, tensors)
-                writes = work(job, inputs)
+                if staging is not None:
+                    staged = staging.for_work(job.name, job.nbytes, tensors)
+                if position + 1 < len(jobs):
+                    self._stage_ahead(jobs[position + 1])
+                writes = work(job, staging.ready(staged) if staging and staged else tensors)
             except BaseException:
                 self._abandon(job, tensors, staged)
                 raise
@@ -288,15 +267,19 @@ class Pipeline:
         staged: Staged[Region] | None,
         writes: dict[Region, torch.Tensor],
     ) -> None:
-        """Keep a resident job's results, or write the job back and free it when done."""
+        """Keep a resident job's results (a job of the host tier stays after its first pass,
+        its reserved bytes with it), or write the job back and free it when done."""
         tier = self.resident_tier(job.name)
+        if tier is None and job.tier == HOST:
+            self._kept[HOST].keep(job.name, tensors, job.nbytes)
+            tier = HOST
         if tier == DEVICE:
             self._kept[DEVICE][job.name].update(writes)
             return
         if tier == HOST:
             self._land(job.name, self._kept[HOST][job.name], staged, writes)
             return
-        if job.tier is not None and self._keep(job, tensors, staged, writes):
+        if job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes):
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
         self._disk.write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
@@ -328,20 +311,15 @@ class Pipeline:
         if self.resident_tier(job.name) is None:
             self._give_back(job, tensors)
 
-    def _keep(
+    def _keep_on_device(
         self,
         job: Job,
         tensors: dict[Region, torch.Tensor],
         staged: Staged[Region] | None,
         writes: dict[Region, torch.Tensor],
     ) -> bool:
-        """Make ``job`` resident in its tier after its first pass; ``False`` when that tier
-        has no room for it (it then streams, as any other job)."""
-        assert job.tier is not None
-        if job.tier == HOST:
-            self._kept[HOST].keep(job.name, tensors, job.nbytes)  # its reserved bytes stay
-            self._land(job.name, tensors, staged, writes)
-            return True
+        """Make ``job`` resident in the device tier after its first pass; ``False`` when that
+        tier has no room for it (it then streams, as any other job)."""
         device = self._ledgers[DEVICE]
         if staged is not None:  # on the device already, its bytes reserved there: they stay
             with self._cv:  # if the device still has room for the work of one more job
@@ -371,45 +349,24 @@ class Pipeline:
         return True
 
     # ------------------------------------------------------------------ the device side
-    def _staged_for(self, job: Job, tensors: dict[Region, torch.Tensor]) -> Staged[Region] | None:
-        """The job's copies to the device: issued ahead, or now (``None``: the work gets
-        ``tensors`` as they are: no work on the device, or a job resident there)."""
+    def _staging_for(self, job: Job) -> DeviceStaging[Region] | None:
+        """What copies ``job``'s tensors to the device for its work; ``None`` when the work gets
+        them as they are (no work on the device, or a job resident there)."""
         if self._staging is None or self.resident_tier(job.name) == DEVICE:
             return None
-        staged = self._staging.take(job.name)
-        if staged is None:
-            self._staging.wait_landing(job.name)
-            staged = self._staging.copy_in(job.nbytes, tensors, wait=True)
-            assert staged is not None  # copy_in waited for room or raised
-        return staged
+        return self._staging
 
     def _stage_ahead(self, job: Job) -> None:
         """Issue ``job``'s copy to the device now, so that it runs during the work before it,
         when its bytes are in host memory and the device has room (else the copy is issued
         when the job is acquired)."""
-        if self._staging is None or self.resident_tier(job.name) == DEVICE:
-            return
-        host_tensors = self._host_tensors_in(job)
-        if host_tensors is not None:
-            self._staging.ahead(job.name, job.nbytes, host_tensors)
-
-    def _host_tensors_in(self, job: Job) -> dict[Region, torch.Tensor] | None:
-        """The job's host tensors when they hold its bytes now (read, or resident and landed)."""
-        assert self._staging is not None
-        if job.name in self._kept[HOST]:
-            return self._kept[HOST][job.name] if self._staging.landed(job.name) else None
+        staging = self._staging_for(job)
+        tensors = self._kept[HOST].get(job.name)  # unless its last results are still landing
         reading = self._reading.get(job.name)
-        if reading is None or reading.job != job or not reading.done.done():
-            return None
-        return reading.tensors if reading.done.exception() is None else None
-
-    def _ready(
-        self, staged: Staged[Region] | None, tensors: dict[Region, torch.Tensor]
-    ) -> dict[Region, torch.Tensor]:
-        """What the work gets: the device copies, each waited for by the work's stream."""
-        if staged is None or self._staging is None:
-            return tensors
-        return self._staging.ready(staged)
+        if tensors is None and reading is not None and reading.job == job and reading.done.done():
+            tensors = None if reading.done.exception() else reading.tensors
+        if staging is not None and tensors is not None and staging.landed(job.name):
+            staging.ahead(job.name, job.nbytes, tensors)
 
     def _copy_out(
         self,
@@ -420,12 +377,10 @@ class Pipeline:
         """The host tensors to write for ``writes`` (copied into ``host``'s buffers of the same
         regions when they are elsewhere) and the future of the moment they hold the bytes and
         no copy of the job reads its host buffers any more."""
-        if self._staging is None or staged is None:
-            copies = {r: self._transfers.to_host(t, host.get(r)) for r, t in writes.items()}
-            landed = gather([c.done for c in copies.values()])
-            return {region: c.host_tensor for region, c in copies.items()}, landed
-        on_host, landed = self._staging.copy_out(host, writes)
-        return on_host, self._staging.finished(staged, landed, nbytes_of(writes))
+        on_host, landed = to_host_all(self._transfers, host, writes)
+        if staged is not None and self._staging is not None:
+            landed = self._staging.finished(staged, landed, nbytes_of(writes))
+        return on_host, landed
 
     # ------------------------------------------------------------------ budget and buffers
     def _wait_for_room(self, job: Job) -> list[torch.Tensor | None]:
@@ -541,9 +496,9 @@ class Pipeline:
             self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
         for tier, book in self._kept.items():
-            for name, tensors in book.items():
+            for tensors in book.values():
                 if tier == DEVICE and self._transfers.moves:
-                    self._write_from_device(book.bytes_of(name), tensors)
+                    self.write_behind(tensors)
                 else:
                     on_host.update(tensors)
         self._disk.write(on_host)
@@ -551,37 +506,37 @@ class Pipeline:
         for tier, book in self._kept.items():
             self._ledgers[tier].count_moved(out=sum(nbytes_of(t) for t in book.values()))
 
+    def write(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
+        """Start writing ``writes`` straight from the caller's host tensors (no copy: they
+        must not change until the future completes); its failure is the future's alone (not
+        raised by :meth:`run` or :meth:`drain`). Ordered as a write-behind: a later read of
+        an overlapping region waits for it, and :meth:`drain` waits for it to end."""
+        return self._disk.write(writes, keep_errors=False)
+
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write ``writes`` (on the host or the device) behind the caller, from copies in
         pooled host buffers reserved in the host budget (waiting for write-behinds to free the
-        room): the caller may change or drop its tensors when this returns. A later read of
-        an overlapping region waits for the write; a failure is raised by :meth:`run` or
-        :meth:`drain`, as a job's write-behind is."""
-        nbytes = sum(footprint(t.numel() * t.element_size()) for t in writes.values())
-        if nbytes:
-            self._write_from_device(nbytes, writes)
-
-    def _write_from_device(self, nbytes: int, tensors: dict[Region, torch.Tensor]) -> None:
-        """Write a device-resident job's ``tensors`` (``nbytes`` reserved on the device)
-        through host buffers reserved in the host ledger like a streamed job's (waiting for
-        write-behinds to free the room), given back once the write has ended."""
+        room) and given back once the write has ended: the caller may change or drop its
+        tensors when this returns. A later read of an overlapping region waits for the write;
+        a failure is raised by :meth:`run` or :meth:`drain`, as a job's write-behind is."""
+        sizes = {region: t.numel() * t.element_size() for region, t in writes.items()}
+        nbytes = sum(map(footprint, sizes.values()))
+        if not nbytes:
+            return
         with self._cv:
             self._reserve(nbytes)
         buffers: list[torch.Tensor] = []
         try:
-            copies = {}
-            for region, tensor in tensors.items():
-                buffers.append(self._buffers.take(tensor.numel() * tensor.element_size()))
-                host = buffers[-1][: tensor.numel() * tensor.element_size()].view(tensor.dtype)
-                copies[region] = self._transfers.to_host(tensor, host)
+            host = {}
+            for region, tensor in writes.items():
+                buffers.append(self._buffers.take(sizes[region]))
+                host[region] = buffers[-1][: sizes[region]].view(tensor.dtype)
+            on_host, landed = to_host_all(self._transfers, host, writes)
         except BaseException:
             self._buffers.give_back(buffers, nbytes)
             raise
-        self._disk.write(
-            {region: copy.host_tensor for region, copy in copies.items()},
-            after=gather([copy.done for copy in copies.values()]),
-            then=lambda _: self._buffers.give_back(buffers, nbytes),
-        )
+        then = lambda _: self._buffers.give_back(buffers, nbytes)  # noqa: E731
+        self._disk.write(on_host, after=landed, then=then)
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),

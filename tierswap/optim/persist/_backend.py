@@ -23,7 +23,7 @@ import torch
 from tierswap._lifetime import close_at_exit
 from tierswap.engine import Transfers
 from tierswap.optim.distributed import rank_swap_dir
-from tierswap.pipeline import Pipeline, Region, write_regions
+from tierswap.pipeline import Pipeline, Region
 from tierswap.store import check_apart, replace_with_snapshot
 
 if TYPE_CHECKING:
@@ -173,8 +173,9 @@ class StateBackend:
         self.put_regions_async(writes).result()
 
     def put_regions_async(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
-        """Start writing regions; the tensors must not change until the future is done."""
-        return write_regions(self.store, writes)
+        """Start writing regions through the pipeline's disk (ordered with its reads and
+        write-behinds); the tensors must not change until the future is done."""
+        return self.pipeline.write(writes)
 
     # -- speculation: a savepoint of the store -------------------------------------------
     def savepoint(self) -> None:
