@@ -32,8 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.machines import ArmedFaults, InjectedFault, raise_, threaded_settings
+from tests.machines import FlakyStore, InjectedFault, threaded_settings
 from tierswap import SwapStore
 from tierswap.engine import BufferPool, Disk, Ledger, Region, overlap
 from tierswap.io import footprint
@@ -74,70 +73,6 @@ THEN = st.sampled_from(["change", "change", "write", "keep", "resident", "drop"]
 AFTER = st.sampled_from([None, "landed", "later", "later"])
 
 Slot = tuple[str, int]
-
-
-class FlakyStore(ArmedFaults):
-    """A :class:`~tierswap.SwapStore` whose region I/O runs on one FIFO worker after a delay,
-    and whose next read or write fails when armed (its faults' kinds: ``"read"``,
-    ``"write"``; the machine's own ``"copy"``: a write's ``after`` failed).
-
-    One worker keeps the real store's order: a read runs after the writes started before it.
-    Thread-safe: writes start on the machine's thread and on the threads that land copies.
-    """
-
-    def __init__(self, inner: SwapStore) -> None:
-        super().__init__()
-        self.inner = inner
-        self.delay = 0.0
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flaky-store")
-
-    def info(self, key: str) -> Any:
-        return self.inner.info(key)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def get_region_async(
-        self, key: str, start: int, stop: int, out: torch.Tensor | None = None
-    ) -> Future[torch.Tensor]:
-        fault = self._take("read", key)
-        if fault is not None and fault.mode == "raise":
-            raise fault
-        if fault is not None:
-            return self._later(lambda: raise_(fault))
-        return self._later(lambda: self.inner.get_region(key, start, stop, out=out))
-
-    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
-        fault = self._take("write", key)
-        if fault is not None and fault.mode == "raise":
-            raise fault
-        if fault is not None and fault.mode == "fail":
-            return self._later(lambda: raise_(fault))
-        if fault is not None:  # late: the data lands, then the error is reported
-            return self._later(lambda: (self.inner.put_region(key, start, tensor), raise_(fault)))
-        return self._later(lambda: self.inner.put_region(key, start, tensor))
-
-    def _later(self, call: Callable[[], Any]) -> Future[Any]:
-        delay = self.delay
-
-        def run() -> Any:
-            time.sleep(delay)
-            return call()
-
-        return self._worker.submit(run)
-
-    # whole items: the machine moves regions only
-    def get_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
-        raise NotImplementedError
-
-    def put_async(self, key: str, tensor: torch.Tensor) -> Future[None]:
-        raise NotImplementedError
-
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
 
 
 @dataclasses.dataclass(eq=False)

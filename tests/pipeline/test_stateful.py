@@ -14,14 +14,9 @@ every job in and out late, and no work may use a copy before waiting for it.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -30,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.engine.recording import RecordingTransfers, ptrs_of, steps_after_their_copies
-from tests.machines import threaded_settings
+from tests.machines import FlakyStore, InjectedFault, threaded_settings
 from tierswap import SwapStore
 from tierswap.errors import BudgetError
 from tierswap.pipeline import Job, Pipeline, Region
@@ -39,100 +34,6 @@ CHUNK = 4096
 KEYS = ("a", "b")
 NUMEL = 4 * CHUNK // 4  # four chunks of float32 per key
 JOB_BYTES = CHUNK  # each job reads one chunk of one key
-
-
-class InjectedFault(OSError):  # noqa: N818 (a fault the test injects, named as such)
-    """A failure :class:`FlakyStore` injects: a read's, or a write's (``late``: the data landed
-    before the failure was reported)."""
-
-    def __init__(self, kind: str, late: bool = False) -> None:
-        code, how = (28, " (late)") if kind == "write" else (5, "")
-        super().__init__(code, f"injected {kind} failure{how}")
-        self.kind, self.late = kind, late
-
-
-@dataclasses.dataclass(frozen=True)
-class Put:
-    """A region write the pipeline asked the store for: what it writes, and its injected
-    failure (``None``: it lands)."""
-
-    key: str
-    start: int
-    data: torch.Tensor
-    fault: InjectedFault | None
-
-
-class FlakyStore:
-    """A store whose region I/O can be slowed, or made to fail, call by call; it logs every
-    write it is asked for, in order, with a copy of the bytes the caller hands it then (the
-    store itself writes the caller's tensor, later: a caller that changes it too early shows)."""
-
-    def __init__(self, inner: SwapStore) -> None:
-        self.inner = inner
-        self.write_fault: str | None = None  # "fail": before the data lands; "late": after
-        self.fail_next_read = False
-        self.delay = 0.0
-        self.fired: list[InjectedFault] = []
-        self.puts: list[Put] = []
-        self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flaky-store")
-
-    def info(self, key: str) -> Any:
-        return self.inner.info(key)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def get_region_async(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:
-        with self._lock:
-            fault = InjectedFault("read") if self.fail_next_read else None
-            self.fail_next_read = False
-            if fault is not None:
-                self.fired.append(fault)
-        if fault is not None:
-            return _failed(fault)
-        return self._later(lambda: self.inner.get_region(key, start, stop, out=out))
-
-    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
-        with self._lock:
-            mode, self.write_fault = self.write_fault, None
-            fault = InjectedFault("write", late=mode == "late") if mode is not None else None
-            if fault is not None:
-                self.fired.append(fault)
-            self.puts.append(Put(key, start, tensor.clone(), fault))
-        if fault is None:
-            return self._later(lambda: self.inner.put_region(key, start, tensor))
-        if fault.late:  # the data lands, then the failure is reported
-            return self._later(lambda: (self.inner.put_region(key, start, tensor), _raise(fault)))
-        return _failed(fault)
-
-    def new_puts(self, seen: int) -> list[Put]:
-        with self._lock:
-            return self.puts[seen:]
-
-    def _later(self, call: Any) -> Future[Any]:
-        """``call()`` after the delay, on the store's one worker: in the order the calls were
-        made, as the real store orders a read after the writes started before it (a thread per
-        call would let a read overtake the write it must see)."""
-
-        def run() -> Any:
-            time.sleep(self.delay)
-            return call()
-
-        return self._worker.submit(run)
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
-
-
-def _failed(error: BaseException) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_exception(error)
-    return future
-
-
-def _raise(error: BaseException) -> Any:
-    raise error
 
 
 def _job(index: int, tier: str | None) -> Job:
@@ -203,7 +104,7 @@ class PipelineMachine(RuleBasedStateMachine):
     def _apply_puts(self) -> None:
         """Apply the store's new writes to ``stored``: each carries its job's value; a failed
         one may or may not have landed, so the region may hold the value before or this one."""
-        for put in self.store.new_puts(self.seen):
+        for put in self.store.puts[self.seen :]:
             self.seen += 1
             index = self._index(put.key, put.start)
             assert torch.equal(put.data, self.value[index]), f"job {index} wrote another value"
@@ -287,11 +188,11 @@ class PipelineMachine(RuleBasedStateMachine):
         """Arm the next write's failure; one at a time (the pipeline raises the first of
         several): then each is raised exactly once."""
         if self.store.write_fault is None and not self._unreported_writes():
-            self.store.write_fault = "late" if late else "fail"
+            self.store.arm("write", "late" if late else "fail")
 
     @rule()
     def fail_a_read(self) -> None:
-        self.store.fail_next_read = True
+        self.store.arm("read", "fail")
 
     @rule()
     def flush_and_compare(self) -> None:
