@@ -11,8 +11,9 @@ working while they step. Per-element math is independent across elements, and a 
 optimizer's math spans it (Muon, Adafactor) is never cut (both checked at construction), so
 stepping in slices is bitwise equal to stepping all at once.
 
-This class is the public face: construction and stepping; commits, state dicts and snapshots
-are its base's (:mod:`~tierswap.optim._checkpoints`). How a step runs its slices (in
+This class is the public face: the constructors, stepping and introspection; how the parts are
+built is its base's (:mod:`~tierswap.optim._assembly`), commits, state dicts and snapshots are
+that one's base's (:mod:`~tierswap.optim._checkpoints`). How a step runs its slices (in
 ``step()``, in backward hooks, or into the next forward) is
 :class:`~tierswap.optim.step.Stepper`'s job.
 """
@@ -20,57 +21,37 @@ are its base's (:mod:`~tierswap.optim._checkpoints`). How a step runs its slices
 from __future__ import annotations
 
 import os
-import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from tierswap.engine import EvictionPolicy, transfers_for
+from tierswap.engine import EvictionPolicy
 from tierswap.errors import ConfigError
 from tierswap.optim import persist
-from tierswap.optim._checkpoints import Checkpoints
+from tierswap.optim._assembly import Assembly
 from tierswap.optim._config import SwapConfig
-from tierswap.optim.distributed import check_resumed_steps, world
 from tierswap.optim.formats import MasterFormat, StatePrecision
-from tierswap.optim.persist import CommitClock, OptimizerParts, StateBackend, StepState
 from tierswap.optim.plan import (
-    Layout,
     Slice,
-    Slot,
     check_class,
     check_unique,
-    group_slots,
-    inner_for,
     own_defaults,
-    plan_layout,
 )
 from tierswap.optim.step import (
-    DeferredSteps,
-    Stepper,
-    hold_threshold,
     register_grad_hooks,
     remove_grad_hooks,
     step_allocations,
     trim_heap,
 )
-from tierswap.optim.stream import (
-    ParameterStream,
-    Placed,
-    check_owned,
-    initialize,
-    place_model,
-    to_meta,
-)
 from tierswap.store import StorePaths
-from tierswap.tiers import DEVICE, HOST, TierName
+from tierswap.tiers import TierName
 
 __all__ = ["SwapOptimizer"]
 
 
-class SwapOptimizer(Checkpoints):
+class SwapOptimizer(Assembly):
     """A ``torch.optim.Optimizer`` whose state lives on disk and streams through host memory.
 
     Parameters
@@ -244,199 +225,6 @@ class SwapOptimizer(Checkpoints):
         swap = cls.__new__(cls)  # the alternate constructor: the inner optimizer exists
         swap._build(lambda: optimizer, config, config.model)
         return swap
-
-    def _build(
-        self,
-        make_inner: Callable[[], torch.optim.Optimizer],
-        config: SwapConfig,
-        model: torch.nn.Module | None,
-    ) -> None:
-        """Place ``model``'s meta parameters, then :meth:`_setup` around the torch optimizer
-        ``make_inner`` makes; a failure returns those parameters to the meta device, so a
-        corrected call starts again from the model as it came."""
-        unborn = Placed([], [])
-        if model is not None:
-            unborn = place_model(model, offload=config.offload_parameters)
-        try:
-            self._setup(make_inner(), config, model, unborn)
-        except BaseException:
-            for param in unborn.params:
-                to_meta(param)
-            raise
-
-    # -- construction ---------------------------------------------------------------------
-    def _setup(
-        self,
-        inner: torch.optim.Optimizer,
-        config: SwapConfig,
-        model: torch.nn.Module | None = None,
-        unborn: Placed | None = None,
-    ) -> None:
-        if config.offload_parameters and model is None:
-            raise ConfigError(
-                "offload_parameters=True needs the model, whose modules' hooks read the "
-                "parameters: SwapOptimizer(model, torch.optim.AdamW, ..., "
-                "offload_parameters=True), or, with param groups, model=model"
-            )
-        self._ready = False  # torch's constructor calls add_param_group before the rest exists
-        #: What was built on the meta device: placed without values until ``_start``.
-        self._unborn = unborn or Placed([], [])
-        self._inner = inner
-        # State the inner optimizer already holds (eager init as in Adagrad, or an optimizer
-        # handed to offload()) moves into the swap space through load_state_dict below.
-        existing = inner.state_dict() if inner.state else None
-        self._config = config
-        super().__init__(inner.param_groups, inner.defaults)
-        step_state = StepState()
-        self.state = persist.SwappedState(step_state)  # true when the swap space holds state
-        self._requests = persist.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
-        self._inner_groups = inner.param_groups
-        self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self.tier = DEVICE if config.state_device_bytes > 0 else HOST
-        self.compute_device = _compute_device(self.tier)
-        # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
-        # recording stand-in here to check the GPU path's ordering without a GPU.
-        self._transfers = transfers_for(self.compute_device)
-        slots: list[Slot] = []
-        for group in self.param_groups:
-            slots += self._new_slots(group, len(slots))
-        check_unique([slot.prefix for slot in slots])
-        if model is not None and config.offload_parameters:
-            check_owned(model, slots)
-        layout = self._plan(slots, config.host_bytes)
-        if config.resume_from is not None and config.swap_dir is not None:
-            persist.seed_swap_dir(config.swap_dir, config.resume_from)
-        self._parts = OptimizerParts(
-            config=config, backend=self._open_backend(layout), layout=layout, state=step_state,
-            commits=CommitClock(_commit_every(config.commit_every)), swapped_state=self.state,
-            inners=self._inners, groups=self.param_groups, compute_device=self.compute_device,
-            optimizer_name=type(inner).__name__,
-        )  # fmt: skip
-        self._stepper = Stepper(self._parts)
-        self._stream: ParameterStream | None = None  # offload_parameters: set once started
-        self._start_or_close(config.resume, model)
-        self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
-        self._release_threshold: Callable[[], None] | None = None
-        if model is not None and config.offload_parameters:
-            slot_of = self._layout.slot_of
-            meta_born = [slot_of[id(param)].index for param in self._unborn.params]
-            self._stream = ParameterStream(self._parts, model, meta_born)
-            self._stream.start()
-            # streamed parameters and gradients must leave memory when freed
-            self._release_threshold = hold_threshold()
-        self._ready = True
-        inner.state = defaultdict(dict)  # only now: a failed construction leaves it intact
-        if existing is not None and not config.resume:
-            self.load_state_dict(existing)
-
-    def _open_backend(self, layout: Layout) -> StateBackend:
-        """The swap folder's store and pipeline, sized by ``layout``."""
-        config = self._config
-        return StateBackend(
-            config.swap_dir,
-            budget=layout.host_budget,
-            durable=config.durable,
-            resume=config.resume,
-            chunk_bytes=layout.chunk_bytes,
-            device_budget=config.state_device_bytes,
-            device=self.compute_device,
-            transfers=self._transfers,
-            work_on_device=self.tier == DEVICE,
-        )
-
-    def _start_or_close(self, resume: bool, model: torch.nn.Module | None) -> None:
-        """:meth:`_start`, under the finalizer that closes the store: a failure closes it (and
-        removes a temporary folder) before it propagates."""
-        # Closes the store (and removes a temporary folder) when the optimizer is
-        # garbage-collected without close(). Not at interpreter exit: the I/O pools are gone by
-        # then; the at-exit closer of the backend handles that.
-        self._finalizer: weakref.finalize[..., SwapOptimizer] = weakref.finalize(
-            self, self._backend.close
-        )
-        self._finalizer.atexit = False
-        try:
-            self._start(resume, model)
-            if resume:  # every rank must resume the same step (a collective)
-                check_resumed_steps(self._state.steps, self._backend.path)
-        except BaseException:
-            self._finalizer()
-            raise
-
-    # The parts the methods below use most (also what tests look at).
-    @property
-    def _backend(self) -> StateBackend:
-        return self._parts.backend
-
-    @property
-    def _state(self) -> StepState:
-        return self._parts.state
-
-    @property
-    def _layout(self) -> Layout:
-        """The slots, slices and placement the steps run over."""
-        return self._parts.layout
-
-    @property
-    def _deferred(self) -> DeferredSteps:
-        """The stepper's worker (``overlap="forward"`` and ``"backward"``)."""
-        return self._stepper.deferred
-
-    def _new_slots(self, group: dict[str, Any], first: int) -> list[Slot]:
-        """The slots of ``group``'s parameters, numbered from ``first``; registers the torch
-        optimizer that steps the group (checked: a class the library can slice or step whole)."""
-        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        optimizer_class = group.get("optimizer_class", type(self._inner))
-        check_class(optimizer_class)
-        slots = group_slots(
-            group, group_index=group_index, first=first, optimizer_class=optimizer_class,
-            config=self._config, compute_device=self.compute_device,
-        )  # fmt: skip
-        self._inners.append(inner_for(optimizer_class, self._inner, self._inners))
-        return slots
-
-    def _plan(
-        self, slots: list[Slot], host_budget: int | None, chunk_bytes: int | None = None
-    ) -> Layout:
-        """The layout of ``slots`` under this optimizer's budgets and policy
-        (:func:`~tierswap.optim.plan.plan_layout`)."""
-        config = self._config
-        return plan_layout(
-            slots,
-            host_budget=host_budget,
-            device_budget=config.state_device_bytes,
-            policy=config.policy,
-            chunk_bytes=chunk_bytes,
-            forward_order=config.overlap == "forward",
-            device_compute=self._transfers.moves,
-        )
-
-    def _start(self, resume: bool, model: torch.nn.Module | None) -> None:
-        """Resume the folder's last commit, or create the arrays and write the masters (those
-        of ``model``'s parameters built on the meta device: as its init gives them values)."""
-        meta = self._backend.committed_meta() if resume else None
-        init_fn = self._config.param_init_fn
-        if meta is not None:
-            self._restore(meta)
-            if model is not None and self._unborn.buffer_owners:
-                initialize(self._parts, model, self._unborn, init_fn, resumed=True)
-            return
-        slot_of = self._layout.slot_of
-        unborn = [slot_of[id(param)] for param in self._unborn.params]
-        persist.create_arrays(self._parts, self._layout.slots, unwritten=unborn)
-        if model is not None and (unborn or self._unborn.buffer_owners):
-            initialize(self._parts, model, self._unborn, init_fn)
-
-    def _restore(self, meta: dict[str, Any]) -> None:
-        """Load the commit ``meta`` describes; slices follow its chunking."""
-        layout = self._layout
-        # checked before anything changes: a refused resume leaves optimizer and folder alone
-        saved_groups, small = persist.check_commit(self._parts, meta)
-        chunk = meta.get("chunk_bytes")
-        if chunk and chunk != layout.chunk_bytes:
-            self._parts.layout = self._plan(layout.slots, layout.host_budget, chunk)
-        if self._stream is not None:
-            self._stream.reset()  # the masters change: parameters holding values are stale
-        persist.restore_commit(self._parts, saved_groups=saved_groups, small=small)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (as torch does); its state is swapped like the others."""
@@ -634,16 +422,3 @@ class SwapOptimizer(Checkpoints):
             f"slices={len(self._layout.slices)}, tier={self.tier!r}, "
             f"host_budget={self.host_budget}, swap_dir={str(self._backend.path)!r})"
         )
-
-
-def _commit_every(every: int | str) -> int | str:
-    """``commit_every`` as the clock applies it: under ``torch.distributed`` every rank must
-    commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
-    so there it commits every step."""
-    return 1 if every == "auto" and world()[1] > 1 else every
-
-
-def _compute_device(tier: str) -> torch.device:
-    if tier == DEVICE and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

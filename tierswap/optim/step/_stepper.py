@@ -161,15 +161,7 @@ class Stepper:
             if p.index not in kept and (p.index in wrong or any(s.index in live for s in p.slots))
         ]
         pieces = interleave(pieces, layout.placement) if self._ends_in_step else pieces[::-1]
-        plan = state.plan if state.plan is not None else self._new_plan()
-        state.plan = None
-        plan.live = set(live)
-        plan.write_params = due
-        plan.groups = groups
-        plan.grads = {index: grads[index] for index in live}
-        for piece in redo:  # redone with the live set of now
-            for slot in piece.slots:
-                plan.small_after.pop(slot.index, None)
+        plan = self._checked_plan(live, due, groups, grads, redo)
         written = plan.live - {seg.slot.index for i in kept for seg in layout.slices[i].segments}
         rolled = [seg for piece in redo for seg in piece.segments]
         speculated = spec.pending  # the store holds the savepoint
@@ -205,6 +197,29 @@ class Stepper:
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
         self.deferred.start(counts, run)
+
+    def _checked_plan(
+        self,
+        live: set[int],
+        due: bool,
+        groups: list[dict[str, Any]],
+        grads: dict[int, torch.Tensor | None],
+        redo: list[Slice],
+    ) -> StepPlan:
+        """The plan of a checked step (the one made ahead, or a new one) for the ``live``
+        slots, their gradients and the ``groups`` of now; ``redo``'s slices step again with
+        the live set of now."""
+        state = self.parts.state
+        plan = state.plan if state.plan is not None else self._new_plan()
+        state.plan = None
+        plan.live = set(live)
+        plan.write_params = due
+        plan.groups = groups
+        plan.grads = {index: grads[index] for index in live}
+        for piece in redo:
+            for slot in piece.slots:
+                plan.small_after.pop(slot.index, None)
+        return plan
 
     def _roll_back(self, pieces: list[Slice]) -> None:
         """Return ``pieces`` to their pre-step state: the store's regions to the savepoint,
