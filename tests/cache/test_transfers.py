@@ -7,12 +7,17 @@ not wait for its copies would hand out NaN.
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
 import torch
 
 from tests.engine.recording import RecordingTransfers
 from tierswap import SwapStore, TierCache
 from tierswap.cache import tiercache
+from tierswap.engine import ToDevice, ToHost
 
 
 @pytest.fixture
@@ -58,3 +63,89 @@ def test_an_update_in_place_of_a_device_entry_waits_for_its_copy(recorded) -> No
     cache.put("a", torch.full((1024,), 7.0), tier="device")  # same shape: in place
     assert _count(transfers, "h2d") == 2
     assert torch.equal(cache.get("a", tier="device"), torch.full((1024,), 7.0))
+
+
+class HeldCopies:
+    """A transfer layer whose copies land when the test says: each copy's bytes move when it
+    is issued; while ``hold`` is set, its future completes (or fails) only when the test
+    completes it (:meth:`wait_for_copy` hands it over), else at once."""
+
+    moves = True
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.hold = False
+        self.pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def _issue(self, source: torch.Tensor, dest: torch.Tensor) -> Future[None]:
+        dest.copy_(source.view_as(dest))
+        future: Future[None] = Future()
+        if not self.hold:
+            future.set_result(None)
+            return future
+        with self._lock:
+            self.pending.append(future)
+        return future
+
+    def to_device(self, host_tensor, device_tensor=None):
+        return ToDevice(device_tensor, None, self._issue(host_tensor, device_tensor))
+
+    def ready(self, copy):
+        return copy.device_tensor
+
+    def to_host(self, device_tensor, host_tensor=None):
+        return ToHost(host_tensor, self._issue(device_tensor, host_tensor))
+
+    def wait_for_copy(self) -> Future[None]:
+        while True:
+            with self._lock:
+                if self.pending:
+                    return self.pending.pop(0)
+            time.sleep(0.001)
+
+
+@pytest.fixture
+def held(monkeypatch, tmp_path):
+    transfers = HeldCopies()
+    monkeypatch.setattr(tiercache, "transfers_for", lambda device: transfers)
+    with SwapStore(tmp_path / "s", mode="w", durable=False) as store:
+        cache = TierCache(store, device_budget=4096, host_budget=8192, device="cpu")
+        yield cache, store, transfers
+        cache.close()
+
+
+def test_a_demotion_copies_outside_the_lock_and_its_bytes_count_until_it_lands(held) -> None:
+    cache, _store, transfers = held
+    cache.put("a", torch.full((1024,), 1.0), tier="device")  # fills the device tier
+    cache.put("b", torch.full((1024,), 2.0), tier="host")
+    transfers.hold = True
+    with ThreadPoolExecutor(1) as pool:
+        # b's move to the device demotes a; its copy to the host is held in flight
+        moving = pool.submit(cache.get, "b", "device")
+        demotion = transfers.wait_for_copy()
+        assert cache.where("a") == "host"  # another call goes on meanwhile: no lock held
+        stats = cache.stats()
+        assert stats.device.used == 4096  # a's device bytes count until its copy has read them
+        assert not moving.done()  # b waits for them
+        demotion.set_result(None)
+        transfers.wait_for_copy().set_result(None)  # b's copy in
+        assert torch.equal(moving.result(timeout=10), torch.full((1024,), 2.0))
+    transfers.hold = False
+    assert torch.equal(cache.get("a", tier="host"), torch.full((1024,), 1.0))
+
+
+def test_a_failed_move_puts_the_item_back_and_is_raised_once(held) -> None:
+    cache, store, transfers = held
+    cache.put("a", torch.full((1024,), 3.0), tier="host")
+    transfers.hold = True
+    with ThreadPoolExecutor(1) as pool:
+        moving = pool.submit(cache.get, "a", "device")
+        transfers.wait_for_copy().set_exception(RuntimeError("device lost"))
+        with pytest.raises(RuntimeError, match="device lost"):
+            moving.result(timeout=10)
+    transfers.hold = False
+    assert cache.where("a") == "host"  # back where it was, still dirty: flush writes it
+    cache.flush()
+    assert torch.equal(store.get("a"), torch.full((1024,), 3.0))
+    assert cache.stats().device.used == 0

@@ -27,7 +27,15 @@ from tierswap.cache._tiers import (
     WriteBack,
 )
 from tierswap.config import format_size
-from tierswap.engine import Disk, StoreProtocol, Transfers, allocate, download, upload
+from tierswap.engine import (
+    Disk,
+    StoreProtocol,
+    Transfers,
+    allocate,
+    completed,
+    download,
+    upload,
+)
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import BudgetError, ConfigError
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -77,6 +85,7 @@ class CacheCore:
         self.write_backs: dict[str, WriteBack] = {}
         self.blocked: set[int] = set()  # threads waiting for room (pin deadlock detection)
         self._demand_keys: Counter[str] = Counter()  # keys that blocked callers wait for
+        self.copy_errors: list[BaseException] = []  # of moves between tiers, not raised yet
         self._queued = queued
 
     # ---------------------------------------------------------------- lookups
@@ -238,7 +247,7 @@ class CacheCore:
 
         The bytes of a written-back victim are earmarked for ``for_key`` once written.
         """
-        if demote and entry.tier == DEVICE and self._demote(entry):
+        if demote and entry.tier == DEVICE and self._demote(entry, for_key):
             return
         t = self.tiers[entry.tier]
         if not entry.dirty:
@@ -249,7 +258,7 @@ class CacheCore:
         t.start_write(entry, for_key)
         self.gate.defer(lambda: self._launch_write(wb))
 
-    def _demote(self, entry: Entry) -> bool:
+    def _demote(self, entry: Entry, for_key: str | None) -> bool:
         """Move a device victim to host if host has room, evicting only clean, later items."""
         host = self.tiers[HOST]
         if entry.size > host.budget:
@@ -260,7 +269,7 @@ class CacheCore:
                 return False
             self.evict(victim, demote=False)
         host.take(entry.size)
-        self.relocate(entry, HOST)
+        self.relocate(entry, HOST, for_key)
         return True
 
     def discard(self, entry: Entry) -> None:
@@ -284,16 +293,68 @@ class CacheCore:
             self.wait_for_room(self.tiers[target], entry.size, entry.key)
         return ok
 
-    def relocate(self, entry: Entry, target: TierName) -> None:
-        """Copy ``entry`` into ``target`` (its bytes reserved there) and free its old bytes."""
-        src, dst = self.tiers[entry.tier], self.tiers[target]
-        buf = self._buffer(dst, entry.meta)
-        self.copy_into(buf, target, entry.tensor, from_device=entry.tier == DEVICE)
-        src.discard(entry)
-        src.ledger.count_moved(out=entry.meta.nbytes)
-        dst.ledger.count_moved(into=entry.meta.nbytes)
-        entry.tier, entry.tensor = target, buf
-        dst.add(entry)
+    def relocate(self, entry: Entry, target: TierName, for_key: str | None = None) -> None:
+        """Move ``entry`` into ``target`` (its bytes reserved there). It is there at once,
+        loading until its copy, started once the lock is released (through the engine's
+        transfer layer: on a GPU, a side stream), has landed. Its old bytes count as a
+        write-back's until then, since the copy reads them (promised to ``for_key`` when the
+        move makes room for it); a failed copy puts the entry back."""
+        origin, source, leaving = entry.tier, entry.tensor, WriteBack(entry, for_key)
+        self.tiers[origin].start_write(entry, for_key)
+        entry.tier, entry.state = target, LOADING
+        entry.tensor = self._buffer(self.tiers[target], entry.meta)
+        self.tiers[target].add(entry)
+        self.gate.defer(lambda: self._launch_move(leaving, origin, source))
+
+    def _launch_move(self, leaving: WriteBack, origin: TierName, source: torch.Tensor) -> None:
+        """Start the copy of ``leaving``'s entry from ``source``, in ``origin`` (lock not
+        held)."""
+        entry = leaving.entry
+        try:
+            if self.transfers.moves and entry.tier == DEVICE:
+                landed = self.transfers.to_device(source, entry.tensor).done
+            elif self.transfers.moves and origin == DEVICE:
+                landed = self.transfers.to_host(source, entry.tensor.view(-1)).done
+            else:
+                entry.tensor.copy_(source)
+                landed = completed()
+        except BaseException as exc:
+            self._moved(leaving, origin, source, exc)
+            return
+        landed.add_done_callback(lambda f: self._moved(leaving, origin, source, f.exception()))
+
+    def _moved(
+        self,
+        leaving: WriteBack,
+        origin: TierName,
+        source: torch.Tensor,
+        error: BaseException | None,
+    ) -> None:
+        """A move's copy ended: the entry is ready where it went, and its old bytes are free
+        (or earmarked for the key the move made room for); or it failed, and the entry is back
+        where it was (the next call raises the error)."""
+        entry = leaving.entry
+        with self.cv:
+            src, dst = self.tiers[origin], self.tiers[entry.tier]
+            if error is None:
+                entry.state = READY
+                src.ledger.count_moved(out=entry.meta.nbytes)
+                dst.ledger.count_moved(into=entry.meta.nbytes)
+            else:
+                dst.discard(entry)
+                entry.tier, entry.tensor, entry.state = origin, source, READY
+                self.copy_errors.append(error)
+            wanted = leaving.for_key is not None and self.wants(leaving.for_key)
+            src.end_write(leaving, failed=error is not None, earmark=error is None and wanted)
+            self.gate.wake()
+
+    def raise_errors(self) -> None:
+        """Raise the first failure of a write-behind (the disk's), else of a move's copy, not
+        raised yet."""
+        self.disk.raise_errors()
+        errors, self.copy_errors = self.copy_errors, []
+        if errors:
+            raise errors[0]
 
     def new_loading(self, key: str, meta: Meta, tier: TierName) -> Entry:
         """An entry for ``key`` in ``tier`` (bytes reserved) and its read, deferred."""
@@ -329,6 +390,12 @@ class CacheCore:
         return allocate(meta.shape, meta.dtype, t.device, pin=None if t.name == HOST else False)
 
     # ---------------------------------------------------------------- writes
+    def dirty_moving(self) -> bool:
+        """Whether a dirty entry is moving between tiers (loading where it went)."""
+        return any(
+            e.dirty and e.state == LOADING for t in self.tiers.values() for e in t.entries.values()
+        )
+
     def start_flush(self) -> list[Entry]:
         """Start writing every dirty, ready entry (it stays, clean once written)."""
         flushing = []

@@ -21,7 +21,7 @@ from tierswap.tiers import MEMORY_TIERS, TierName
 
 TIERS = MEMORY_TIERS
 
-LOADING = "loading"  # bytes reserved, a read from the store is filling the tensor
+LOADING = "loading"  # bytes reserved, a read (or a copy from the other tier) fills the tensor
 READY = "ready"  # the tensor holds the item's value
 FLUSHING = "flushing"  # ready, and a flush is writing it to the store (not evictable meanwhile)
 FAILED = "failed"  # the read failed; `error` says why (the entry is no longer in its tier)
@@ -73,7 +73,8 @@ class Entry:
 
 @dataclasses.dataclass(eq=False)
 class WriteBack:
-    """A dirty item evicted from ``tier`` whose bytes stay counted until the store has them."""
+    """An item whose bytes in ``tier`` stay counted until its I/O ends: a dirty item evicted,
+    until the store has it, or an item moving to the other tier, until the copy has read it."""
 
     entry: Entry
     for_key: str | None = None  # whose read the freed bytes are set aside for
@@ -91,7 +92,9 @@ class Tier:
 
     - ``resident``: the sizes of ``entries`` (items ready, being read in, or being flushed), the
       engine's resident book of this tier;
-    - ``writing``: dirty victims being written down (their bytes free once the store has them);
+    - ``writing``: bytes that leave once their I/O ends: dirty victims being written down (free
+      once the store has them), and entries moving to the other tier (free once the copy has
+      read them);
     - ``promised``: the part of ``writing`` evicted to make room for a key, by that key;
     - ``earmarks``: bytes of written victims set aside for the key they were evicted for, until
       that key's read takes them (so a read never takes room another one is waiting for).
@@ -189,8 +192,8 @@ class Tier:
         self.check()
 
     def end_write(self, wb: WriteBack, *, failed: bool, earmark: bool) -> None:
-        """A write-back ended: a failed one's entry comes back (dirty); a written victim's bytes
-        are earmarked for the key it made room for (``earmark``), or freed."""
+        """A write-back (or move) ended: a failed one's entry comes back; a written victim's
+        bytes are earmarked for the key it made room for (``earmark``), or freed."""
         size, for_key = wb.entry.size, wb.for_key
         self.writing -= size
         if for_key is not None:

@@ -236,7 +236,7 @@ class TierCache:
                     self._gate.wait()
             while key in self._core.write_backs:
                 self._gate.wait()
-            self._core.disk.raise_errors()
+            self._core.raise_errors()
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the cache and the store (no write-back)."""
@@ -260,10 +260,12 @@ class TierCache:
         """
         with self._cv:
             self._gate.check_open()
+            while self._core.dirty_moving():  # a move's copy lands before its value is written
+                self._gate.wait()
             flushing = self._core.start_flush()
             while self._core.write_backs or any(e.state == FLUSHING for e in flushing):
                 self._gate.wait()
-            self._core.disk.raise_errors()
+            self._core.raise_errors()
 
     def stats(self) -> CacheStats:
         """A snapshot of hits, misses, bytes used per tier (the tiers' ledgers), NVMe bytes and
@@ -371,7 +373,7 @@ class TierCache:
         owned: Entry | None = None  # a read this call started; claimed until it is ready
         try:
             while True:
-                self._core.disk.raise_errors()
+                self._core.raise_errors()
                 entry = self._core.find(key)
                 if entry is None and waited is not None and waited.state == FAILED:
                     raise waited.error  # type: ignore[misc]
@@ -450,7 +452,7 @@ class TierCache:
         write-back reported here, pins) leaves the key its value.
         """
         while True:
-            self._core.disk.raise_errors()
+            self._core.raise_errors()
             entry = self._core.find(key)
             if entry is not None and entry.tier == target and entry.meta == meta:
                 # same shape: update in place, pinned or not
