@@ -22,7 +22,7 @@ from tests.engine.recording import (
 )
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.errors import ConfigError
-from tierswap.optim import SwapOptimizer, optimizer
+from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.plan import _layout
 from tierswap.store import SwapStore
 
@@ -53,7 +53,7 @@ def _install(monkeypatch, transfers: RecordingTransfers, *, sync_writes: bool = 
     (so a slice's copy can go ahead while the one before steps); disk writes logged (and
     finished before they return with ``sync_writes``)."""
     monkeypatch.setattr(_layout, "STREAM_FLOOR", 16 << 10)  # KiB budgets stream a tenth
-    monkeypatch.setattr(optimizer, "transfers_for", lambda device: transfers)
+    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
     get, put = SwapStore.get_region_async, SwapStore.put_region_async
 
     def read_now(self, key: str, start: int, stop: int, out: Any = None) -> Future[Any]:

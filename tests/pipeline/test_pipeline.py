@@ -31,6 +31,21 @@ def _double(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch
     return dict(tensors)
 
 
+class FullDisk:
+    """A store whose region writes fail as on a full disk."""
+
+    def __init__(self, store: ts.SwapStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def put_region_async(self, key, start, tensor) -> Future[None]:
+        failed: Future[None] = Future()
+        failed.set_exception(OutOfSpaceError("disk full"))
+        return failed
+
+
 @pytest.fixture
 def store(tmp_path: Path):
     with ts.SwapStore(tmp_path / "s", chunk_bytes=CHUNK) as store:
@@ -169,16 +184,7 @@ def test_a_direct_write_orders_later_reads_and_reports_its_failure_to_its_caller
     assert written.exception() is None
     assert torch.equal(seen[0], values)
 
-    class FullDisk:
-        def __getattr__(self, name):
-            return getattr(store, name)
-
-        def put_region_async(self, key, start, tensor):
-            failed: Future[None] = Future()
-            failed.set_exception(OutOfSpaceError("disk full"))
-            return failed
-
-    failing = Pipeline(FullDisk(), budget=2 * CHUNK)
+    failing = Pipeline(FullDisk(store), budget=2 * CHUNK)
     with pytest.raises(OutOfSpaceError):
         failing.write({Region("big", 0, 2048): values}).result()
     failing.drain()  # the caller had it: not raised again
@@ -203,18 +209,7 @@ def test_failing_work_and_writes_release_everything(store) -> None:
     pipeline.release()
     assert pipeline.held == 0
 
-    class FullDisk:
-        """The store, except that region writes fail as on a full disk."""
-
-        def __getattr__(self, name):
-            return getattr(store, name)
-
-        def put_region_async(self, key, start, tensor):
-            failed: Future[None] = Future()
-            failed.set_exception(OutOfSpaceError("disk full"))
-            return failed
-
-    failing = Pipeline(FullDisk(), budget=3 * 2 * CHUNK)
+    failing = Pipeline(FullDisk(store), budget=3 * 2 * CHUNK)
     with pytest.raises(OutOfSpaceError):  # raised by run() once a write-behind has failed
         failing.run(_jobs(), _double)
     failing.release()

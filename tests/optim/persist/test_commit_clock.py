@@ -113,9 +113,9 @@ def test_auto_measures_a_step_without_a_commit_before_committing_again() -> None
 def test_auto_commits_every_step_under_torch_distributed(monkeypatch, tmp_path) -> None:
     """Each rank commits its own folder and a resume needs them all at one step: "auto",
     which times each rank's commits on its own, would let them drift apart."""
-    from tierswap.optim import optimizer
+    from tierswap.optim import _assembly
 
-    monkeypatch.setattr(optimizer, "world", lambda: (0, 2))
+    monkeypatch.setattr(_assembly, "world", lambda: (0, 2))
     model = torch.nn.Linear(4, 4)
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "s", lr=0.1) as opt:
         assert opt._parts.commits.every == 1
