@@ -149,3 +149,21 @@ def test_a_failed_move_puts_the_item_back_and_is_raised_once(held) -> None:
     cache.flush()
     assert torch.equal(store.get("a"), torch.full((1024,), 3.0))
     assert cache.stats().device.used == 0
+
+
+def test_a_read_into_the_device_tier_ends_with_its_copy_in(held) -> None:
+    _cache, store, transfers = held
+    store.put("big", torch.arange(3072.0))  # larger than the host budget: read into the device
+    with TierCache(store, device_budget=16384, host_budget=0, device="cpu") as direct:
+        transfers.hold = True
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(direct.get, "big", "device")
+            transfers.wait_for_copy().set_exception(RuntimeError("device lost"))
+            with pytest.raises(RuntimeError, match="device lost"):
+                reading.result(timeout=10)
+            assert direct.where("big") is None
+            assert direct.stats().device.used == 0
+            reading = pool.submit(direct.get, "big", "device")
+            transfers.wait_for_copy().set_result(None)
+            assert torch.equal(reading.result(timeout=10), torch.arange(3072.0))
+        transfers.hold = False

@@ -453,11 +453,15 @@ class CacheCore:
         return self.transfers.moves and entry.tier == DEVICE
 
     def _loaded(self, entry: Entry, future: Any, error: BaseException | None) -> None:
+        """A read ended (``future``), or the copy to the device that follows it (``future`` is
+        ``None``; ``error`` its failure): the entry is ready, or failed."""
         try:
             if future is not None:
                 result = future.result()
-                if self._through_transfers(entry):
-                    upload(self.transfers, result, entry.tensor)
+                if self._through_transfers(entry):  # the copy in ends the load; none waits here
+                    done = self.transfers.to_device(result, entry.tensor).done
+                    done.add_done_callback(lambda f: self._loaded(entry, None, f.exception()))
+                    return
         except BaseException as exc:
             error = exc
         with self.cv:
