@@ -10,6 +10,7 @@ import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -27,15 +28,7 @@ from tierswap.cache._tiers import (
     WriteBack,
 )
 from tierswap.config import format_size
-from tierswap.engine import (
-    Disk,
-    StoreProtocol,
-    Transfers,
-    allocate,
-    completed,
-    download,
-    upload,
-)
+from tierswap.engine import Disk, StoreProtocol, Transfers, allocate, completed
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.errors import BudgetError, ConfigError
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -311,13 +304,7 @@ class CacheCore:
         held)."""
         entry = leaving.entry
         try:
-            if self.transfers.moves and entry.tier == DEVICE:
-                landed = self.transfers.to_device(source, entry.tensor).done
-            elif self.transfers.moves and origin == DEVICE:
-                landed = self.transfers.to_host(source, entry.tensor.view(-1)).done
-            else:
-                entry.tensor.copy_(source)
-                landed = completed()
+            landed = self.start_copy(entry.tensor, entry.tier, source, from_device=origin == DEVICE)
         except BaseException as exc:
             self._moved(leaving, origin, source, exc)
             return
@@ -377,12 +364,19 @@ class CacheCore:
         """Copy ``source`` into ``buf``, memory of ``tier``, and wait for it (the cache hands
         its tensors out at once): into the device tier, or out of device memory
         (``from_device``), through the engine's transfer layer; host to host, a plain copy."""
+        self.start_copy(buf, tier, source, from_device=from_device).result()
+
+    def start_copy(
+        self, buf: torch.Tensor, tier: TierName, source: torch.Tensor, *, from_device: bool
+    ) -> Future[None]:
+        """Start copying ``source`` into ``buf`` (as :meth:`copy_into`); the future of the
+        moment ``buf`` holds the bytes (and the copy no longer reads ``source``)."""
         if self.transfers.moves and tier == DEVICE:
-            upload(self.transfers, source, buf)
-        elif self.transfers.moves and from_device:
-            download(self.transfers, source, buf)
-        else:
-            buf.copy_(source)
+            return self.transfers.to_device(source, buf).done
+        if self.transfers.moves and from_device:
+            return self.transfers.to_host(source, buf.view(-1)).done
+        buf.copy_(source)
+        return completed()
 
     @staticmethod
     def _buffer(t: Tier, meta: Meta) -> torch.Tensor:
@@ -459,7 +453,7 @@ class CacheCore:
             if future is not None:
                 result = future.result()
                 if self._through_transfers(entry):  # the copy in ends the load; none waits here
-                    done = self.transfers.to_device(result, entry.tensor).done
+                    done = self.start_copy(entry.tensor, DEVICE, result, from_device=False)
                     done.add_done_callback(lambda f: self._loaded(entry, None, f.exception()))
                     return
         except BaseException as exc:

@@ -46,10 +46,8 @@ from tierswap.engine.transfer import (
     ToHost,
     Transfers,
     completed,
-    download,
     to_host_all,
     transfers_for,
-    upload,
 )
 
 __all__ = [
@@ -77,7 +75,6 @@ __all__ = [
     "allocate",
     "base_bytes",
     "completed",
-    "download",
     "kept",
     "make_policy",
     "nbytes_of",
@@ -87,5 +84,4 @@ __all__ = [
     "simulate",
     "to_host_all",
     "transfers_for",
-    "upload",
 ]

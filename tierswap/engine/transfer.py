@@ -41,7 +41,6 @@ K = TypeVar("K", bound=Hashable)
 
 __all__ = [
     "CudaTransfers",
-    "download",
     "PassThrough",
     "ToDevice",
     "ToHost",
@@ -49,7 +48,6 @@ __all__ = [
     "completed",
     "to_host_all",
     "transfers_for",
-    "upload",
 ]
 
 
@@ -274,22 +272,6 @@ def transfers_for(device: torch.device) -> Transfers:
         if index not in _CUDA:
             _CUDA[index] = CudaTransfers(torch.device("cuda", index))
         return _CUDA[index]
-
-
-def upload(transfers: Transfers, source: torch.Tensor, device_tensor: torch.Tensor) -> None:
-    """Copy ``source`` into ``device_tensor`` (memory of ``transfers``' device) and wait until
-    it is there: the blocking form of :meth:`Transfers.to_device`, for front ends whose callers
-    get the tensor at once (the keyed cache)."""
-    copy = transfers.to_device(source, device_tensor)
-    transfers.ready(copy)
-    copy.done.result()
-
-
-def download(transfers: Transfers, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
-    """Copy ``device_tensor`` into ``host_tensor`` (same number of elements) and wait until the
-    bytes have landed: the blocking form of :meth:`Transfers.to_host`."""
-    copy = transfers.to_host(device_tensor, host_tensor.view(-1))
-    copy.done.result()
 
 
 def to_host_all(
