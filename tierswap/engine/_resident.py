@@ -78,6 +78,3 @@ class ResidentSet(Generic[K, V]):
 
     def items(self) -> ItemsView[K, V]:
         return self._values.items()
-
-    def bytes_of(self, key: K) -> int:
-        return self._sizes[key]

@@ -361,11 +361,13 @@ class Pipeline:
         when its bytes are in host memory and the device has room (else the copy is issued
         when the job is acquired)."""
         staging = self._staging_for(job)
-        tensors = self._kept[HOST].get(job.name)  # unless its last results are still landing
+        if staging is None or not staging.landed(job.name):
+            return  # no copy to issue, or its last results still land in its host tensors
+        tensors = self._kept[HOST].get(job.name)
         reading = self._reading.get(job.name)
         if tensors is None and reading is not None and reading.job == job and reading.done.done():
             tensors = None if reading.done.exception() else reading.tensors
-        if staging is not None and tensors is not None and staging.landed(job.name):
+        if tensors is not None:
             staging.ahead(job.name, job.nbytes, tensors)
 
     def _copy_out(
