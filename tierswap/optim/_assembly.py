@@ -3,8 +3,9 @@ param groups cut into slots and laid out as slices, the swap folder's store and 
 opened, and its last commit resumed or its arrays created (and the parameter stream started).
 
 A base class of the optimizer, apart so that its module holds the public face: the
-constructors, stepping and introspection. A failure anywhere here leaves the model, the torch
-optimizer and the folder as they were.
+constructors, stepping and introspection. A construction that fails returns meta-built
+parameters to the meta device, leaves the torch optimizer's state as it was, and closes the
+store (removing a temporary folder).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The SwapOptimizer's persistence face: commits, torch-format state dicts and snapshots.
 
-A base class of :class:`~tierswap.SwapOptimizer` (which owns the parts these methods work
-on and how to settle a step under way), apart so that the optimizer's module holds
-construction and stepping; the work itself is :mod:`tierswap.optim.persist`'s.
+The base of :class:`~tierswap.optim._assembly.Assembly`, which builds the parts these
+methods work on (the optimizer says how to settle a step under way), apart so that the
+optimizer's module holds its public face; the work itself is :mod:`tierswap.optim.persist`'s.
 """
 
 from __future__ import annotations
