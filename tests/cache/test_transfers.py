@@ -105,6 +105,14 @@ class HeldCopies:
             time.sleep(0.001)
 
 
+def _fails_with_its_copy(pool, transfers: HeldCopies, call, *args) -> None:
+    """``call(*args)`` on ``pool`` raises the failure of the copy it waits for."""
+    future = pool.submit(call, *args)
+    transfers.wait_for_copy().set_exception(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        future.result(timeout=10)
+
+
 @pytest.fixture
 def held(monkeypatch, tmp_path):
     transfers = HeldCopies()
@@ -140,10 +148,7 @@ def test_a_failed_move_puts_the_item_back_and_is_raised_once(held) -> None:
     cache.put("a", torch.full((1024,), 3.0), tier="host")
     transfers.hold = True
     with ThreadPoolExecutor(1) as pool:
-        moving = pool.submit(cache.get, "a", "device")
-        transfers.wait_for_copy().set_exception(RuntimeError("device lost"))
-        with pytest.raises(RuntimeError, match="device lost"):
-            moving.result(timeout=10)
+        _fails_with_its_copy(pool, transfers, cache.get, "a", "device")
     transfers.hold = False
     assert cache.where("a") == "host"  # back where it was, still dirty: flush writes it
     cache.flush()
@@ -157,10 +162,7 @@ def test_a_read_into_the_device_tier_ends_with_its_copy_in(held) -> None:
     with TierCache(store, device_budget=16384, host_budget=0, device="cpu") as direct:
         transfers.hold = True
         with ThreadPoolExecutor(1) as pool:
-            reading = pool.submit(direct.get, "big", "device")
-            transfers.wait_for_copy().set_exception(RuntimeError("device lost"))
-            with pytest.raises(RuntimeError, match="device lost"):
-                reading.result(timeout=10)
+            _fails_with_its_copy(pool, transfers, direct.get, "big", "device")
             assert direct.where("big") is None
             assert direct.stats().device.used == 0
             reading = pool.submit(direct.get, "big", "device")
