@@ -176,6 +176,21 @@ def test_delete_removes_everywhere(make: Callable[..., TierCache], filled: Loggi
     assert "only/cached" not in cache
 
 
+def test_delete_frees_the_room_set_aside_for_the_keys_read(
+    make: Callable[..., TierCache],
+) -> None:
+    """A written victim's bytes earmarked for a queued read of the key go back to the budget
+    when the key is deleted, at once (not when the pump next plans)."""
+    cache = make(device_budget=0, host_budget=3 * PAGE)
+    host = cache._tiers["host"]
+    with cache._cv:  # white-box, and the pump cannot plan meanwhile: the state a write-back
+        assert host.ledger.try_reserve(PAGE)  # for a queued prefetch of the key leaves
+        host.earmarks[KEYS[0]] = PAGE
+        cache._prefetch.add([KEYS[0]], "host")
+        cache.delete(KEYS[0])
+        assert (host.earmarks, host.used) == ({}, 0)
+
+
 def test_evict_writes_dirty_and_frees(make: Callable[..., TierCache], filled: LoggingStore) -> None:
     cache = make()
     cache.put("p/q", torch.full((ITEM,), 3.0), tier="host")

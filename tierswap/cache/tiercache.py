@@ -244,6 +244,7 @@ class TierCache:
             self._gate.check_open()
             cached = self._settle_key(key, allow_pinned=False)
             self._prefetch.drop(key)
+            self._core.release_unwanted(self._prefetch.queued())  # room set aside for its read
             self.policy.forget(key)
             self._core.meta.pop(key, None)
         try:
