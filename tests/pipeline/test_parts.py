@@ -29,7 +29,7 @@ def test_no_room_claims_and_reserves_nothing() -> None:
     books = _Books(3 * PAGE)
     assert books.claim(2 * PAGE, [PAGE, PAGE]) == [None, None]
     assert books.host.used == 2 * PAGE
-    books.buffers.give_back([books.buffers.take(PAGE), books.buffers.take(PAGE)], 2 * PAGE)
+    books.buffers.give_back(books.buffers.take_all([None, None], [PAGE, PAGE]), 2 * PAGE)
     assert books.host.used == 0
     # two idle pages sit in the pool; a job of four pages cannot fit the three-page budget
     assert books.claim(4 * PAGE, [PAGE] * 4) is None
@@ -39,7 +39,7 @@ def test_no_room_claims_and_reserves_nothing() -> None:
 def test_idle_buffers_are_reused_and_a_job_of_the_whole_budget_still_fits() -> None:
     books = _Books(3 * PAGE)
     assert books.claim(PAGE, [PAGE]) == [None]
-    first = books.buffers.take(PAGE)
+    (first,) = books.buffers.take_all([None], [PAGE])
     books.buffers.give_back([first], PAGE)
     claimed = books.claim(PAGE, [PAGE])
     assert claimed is not None

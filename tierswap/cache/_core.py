@@ -53,7 +53,7 @@ class CacheCore:
     Holds the :class:`Tier` books and the :class:`Gate` it is given.
 
     Every method expects the gate's lock held unless it says otherwise. Store calls are deferred
-    to the gate; their completions (``_loaded``, ``_written``, ``_flushed``) take the lock.
+    to the gate; their completions (``_loaded``, ``_written``, ``_moved``) take the lock.
     ``queued()`` names the keys the prefetch queues still want (their room is kept for them).
     """
 
@@ -95,8 +95,7 @@ class CacheCore:
             meta = self.meta.get(key)
         if meta is not None:
             return meta
-        info = self.store.info(key)  # KeyNotFoundError when the store lacks it
-        meta = Meta(info.dtype, tuple(info.shape), info.nbytes)
+        meta = Meta.of_info(self.store.info(key))  # KeyNotFoundError when the store lacks it
         with self.cv:
             return self.meta.setdefault(key, meta)
 
@@ -107,10 +106,9 @@ class CacheCore:
         next use of the key looks it up again.
         """
         try:
-            info = self.store.info(key)
+            return Meta.of_info(self.store.info(key))
         except Exception:  # KeyNotFoundError, usually; any failure: see above
             return None
-        return Meta(info.dtype, tuple(info.shape), info.nbytes)
 
     def tier_for(self, tier: str | None, meta: Meta | None, key: str = "") -> TierName:
         """The tier an item of ``meta`` goes to when asked for ``tier`` (checked: it fits)."""
@@ -249,7 +247,7 @@ class CacheCore:
         wb = WriteBack(entry, for_key)
         self.write_backs[entry.key] = wb
         t.start_write(entry, for_key)
-        self.gate.defer(lambda: self._launch_write(wb))
+        self.gate.defer(lambda: self._launch_write(entry, wb))
 
     def _demote(self, entry: Entry, for_key: str | None) -> bool:
         """Move a device victim to host if host has room, evicting only clean, later items."""
@@ -355,22 +353,16 @@ class CacheCore:
         """A dirty entry holding a copy of ``tensor`` in ``tier`` (bytes reserved)."""
         t = self.tiers[tier]
         buf = self._buffer(t, meta)
-        self.copy_into(buf, tier, tensor, from_device=tensor.device.type != "cpu")
+        self.start_copy(buf, tier, tensor, from_device=tensor.device.type != "cpu").result()
         t.add(Entry(key, meta, tier, buf, dirty=True))
-
-    def copy_into(
-        self, buf: torch.Tensor, tier: TierName, source: torch.Tensor, *, from_device: bool
-    ) -> None:
-        """Copy ``source`` into ``buf``, memory of ``tier``, and wait for it (the cache hands
-        its tensors out at once): into the device tier, or out of device memory
-        (``from_device``), through the engine's transfer layer; host to host, a plain copy."""
-        self.start_copy(buf, tier, source, from_device=from_device).result()
 
     def start_copy(
         self, buf: torch.Tensor, tier: TierName, source: torch.Tensor, *, from_device: bool
     ) -> Future[None]:
-        """Start copying ``source`` into ``buf`` (as :meth:`copy_into`); the future of the
-        moment ``buf`` holds the bytes (and the copy no longer reads ``source``)."""
+        """Start copying ``source`` into ``buf``, memory of ``tier``: into the device tier, or
+        out of device memory (``from_device``), through the engine's transfer layer; host to
+        host, a plain copy. The future of the moment ``buf`` holds the bytes (and the copy no
+        longer reads ``source``)."""
         if self.transfers.moves and tier == DEVICE:
             return self.transfers.to_device(source, buf).done
         if self.transfers.moves and from_device:
@@ -398,7 +390,7 @@ class CacheCore:
                 if entry.dirty and entry.state == READY:
                     entry.dirty, entry.state = False, FLUSHING
                     flushing.append(entry)
-                    self.gate.defer(functools.partial(self._launch_flush, entry))
+                    self.gate.defer(functools.partial(self._launch_write, entry, None))
         return flushing
 
     def begin_write_through(self, key: str, meta: Meta, tensor: torch.Tensor) -> None:
@@ -467,32 +459,22 @@ class CacheCore:
                 self.discard(entry)
             self.gate.wake()
 
-    def _launch_write(self, wb: WriteBack) -> None:
-        self.disk.write({wb.entry.key: wb.entry.tensor}, then=lambda e: self._written(wb, e))
+    def _launch_write(self, entry: Entry, wb: WriteBack | None) -> None:
+        """Write ``entry`` down: evicted (``wb``, its write-back) or flushed (it stays)."""
+        self.disk.write({entry.key: entry.tensor}, then=lambda e: self._written(entry, wb, e))
 
-    def _written(self, wb: WriteBack, error: BaseException | None) -> None:
-        """A write-back ended: a failed one keeps the data (back in its tier, dirty; the disk
-        reports it to the next call); a written one frees or earmarks its bytes."""
-        entry = wb.entry
+    def _written(self, entry: Entry, wb: WriteBack | None, error: BaseException | None) -> None:
+        """A write ended. A write-back that failed keeps the data (back in its tier, dirty; the
+        disk reports the failure to the next call); a written one frees or earmarks its bytes.
+        A flushed entry stays, clean once written, dirty again when the write failed."""
         with self.cv:
             t = self.tiers[entry.tier]
-            del self.write_backs[entry.key]
-            earmark = error is None and wb.for_key is not None and self.wants(wb.for_key)
-            t.end_write(wb, failed=error is not None, earmark=earmark)
+            if wb is not None:
+                del self.write_backs[entry.key]
+                earmark = error is None and wb.for_key is not None and self.wants(wb.for_key)
+                t.end_write(wb, failed=error is not None, earmark=earmark)
+            else:
+                entry.state, entry.dirty = READY, entry.dirty or error is not None
             if error is None:
                 t.ledger.count_moved(out=entry.meta.nbytes)
-            self.gate.wake()
-
-    def _launch_flush(self, entry: Entry) -> None:
-        self.disk.write({entry.key: entry.tensor}, then=lambda e: self._flushed(entry, e))
-
-    def _flushed(self, entry: Entry, error: BaseException | None) -> None:
-        """A flush ended: the entry stays, clean once written, dirty again when it failed (the
-        disk reports that failure to the next call)."""
-        with self.cv:
-            entry.state = READY
-            if error is None:
-                self.tiers[entry.tier].ledger.count_moved(out=entry.meta.nbytes)
-            else:
-                entry.dirty = True
             self.gate.wake()

@@ -133,11 +133,7 @@ class Prefetcher:
         self._meta_wanted.add(key)
 
         def lookup() -> None:
-            try:
-                info = core.store.info(key)
-                meta: Meta | None = Meta(info.dtype, tuple(info.shape), info.nbytes)
-            except Exception:  # a scheduled key the store lacks: never prefetch it
-                meta = None
+            meta = core.stored_meta(key)  # None: a scheduled key the store lacks, never read
             with core.cv:
                 self._meta_wanted.discard(key)
                 if meta is None:

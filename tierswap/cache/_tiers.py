@@ -11,6 +11,7 @@ import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from tierswap.engine import Ledger, ResidentSet
 from tierswap.engine.policies import EvictionPolicy
 from tierswap.io import footprint
 from tierswap.tiers import MEMORY_TIERS, TierName
+
+if TYPE_CHECKING:
+    from tierswap.store import ArrayInfo
 
 TIERS = MEMORY_TIERS
 
@@ -42,6 +46,11 @@ class Meta:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Meta:
         return cls(tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+    @classmethod
+    def of_info(cls, info: ArrayInfo) -> Meta:
+        """What the store says of an item (:meth:`~tierswap.SwapStore.info`)."""
+        return cls(info.dtype, tuple(info.shape), info.nbytes)
 
 
 @dataclasses.dataclass(eq=False)

@@ -457,9 +457,10 @@ class TierCache:
             entry = self._core.find(key)
             if entry is not None and entry.tier == target and entry.meta == meta:
                 # same shape: update in place, pinned or not
-                self._core.copy_into(
-                    entry.tensor, target, tensor, from_device=tensor.device.type != "cpu"
-                )
+                from_device = tensor.device.type != "cpu"
+                self._core.start_copy(
+                    entry.tensor, target, tensor, from_device=from_device
+                ).result()
                 entry.dirty = True
                 return
             if entry is not None and entry.pins:

@@ -19,6 +19,7 @@ Private to :mod:`tierswap.engine`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
@@ -98,15 +99,16 @@ def _start_write(store: StoreProtocol, target: Target, tensor: torch.Tensor) -> 
     return store.put_region_async(target.key, target.start, tensor)
 
 
-def write_regions(store: StoreProtocol, writes: Writes) -> Future[Any]:
-    """Start writing every target of ``writes``; one future for all of them (its result raises
-    the first failure once every write has ended). When a write cannot even start, the writes
-    already started are waited for before the error is raised, so the caller may reuse the
-    tensors at once."""
+def _start_all(
+    start: Callable[[Any, torch.Tensor], Future[Any]], items: Mapping[Any, torch.Tensor]
+) -> Future[Any]:
+    """``start`` every item of ``items``; one future for all of them (its result raises the
+    first failure once every one has ended). When one cannot even start, those started are
+    waited for before the error is raised, so the caller may reuse the tensors at once."""
     futures: list[Future[Any]] = []
     try:
-        for target, tensor in writes.items():
-            futures.append(_start_write(store, target, tensor))
+        for target, tensor in items.items():
+            futures.append(start(target, tensor))
     except BaseException:
         gather(futures).exception()
         raise
@@ -148,16 +150,9 @@ class Disk:
         return self.store.get_region_async(target.key, target.start, target.stop, out=out)
 
     def read_all(self, reads: Mapping[Region, torch.Tensor]) -> Future[Any]:
-        """Start every read of ``reads`` (region -> its buffer); one future for all of them.
-        When one cannot start, those started are waited for, then the error is raised."""
-        futures: list[Future[Any]] = []
-        try:
-            for region, out in reads.items():
-                futures.append(self.read(region, out))
-        except BaseException:
-            gather(futures).exception()
-            raise
-        return gather(futures)
+        """Start every read of ``reads`` (region -> its buffer); one future for all of them
+        (when one cannot start, as for writes: :func:`_start_all`)."""
+        return _start_all(self.read, reads)
 
     # ------------------------------------------------------------------ write-behind
     @property
@@ -209,7 +204,7 @@ class Disk:
         try:
             if after is not None:
                 after.result()
-            written = write_regions(self.store, writes)
+            written = _start_all(functools.partial(_start_write, self.store), writes)
         except BaseException as exc:
             done.set_exception(exc)
             return

@@ -48,10 +48,6 @@ class Ledger:
     def free(self) -> int:
         return self.budget - self.used
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` could ever be held here (at most the budget)."""
-        return nbytes <= self.budget
-
     def try_reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` if they are free now; never waits."""
         with self.cv:

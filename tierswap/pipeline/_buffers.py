@@ -54,15 +54,19 @@ class JobBuffers:
         condition."""
         self._pool.trim(max(self._host.free - nbytes, 0))
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of ``nbytes`` or more (its bytes reserved by the caller)."""
+    def take_all(self, claimed: list[torch.Tensor | None], sizes: list[int]) -> list[torch.Tensor]:
+        """A buffer for each request of ``sizes`` bytes (their bytes reserved by the caller):
+        the ``claimed`` one, or one from the pool where that is ``None``. When one cannot be
+        made, the claimed ones go back to the pool."""
         with self._cv:
-            return self._pool.take(nbytes)
-
-    def give_all(self, buffers: Iterable[torch.Tensor | None]) -> None:
-        """Return unused buffers (claimed, then not needed) to the pool."""
-        with self._cv:
-            self._pool.give_all(list(buffers))
+            try:
+                return [
+                    c if c is not None else self._pool.take(n)
+                    for c, n in zip(claimed, sizes, strict=True)
+                ]
+            except BaseException:
+                self._pool.give_all(claimed)
+                raise
 
     @property
     def work(self) -> torch.Tensor | None:

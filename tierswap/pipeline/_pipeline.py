@@ -232,7 +232,7 @@ class Pipeline:
             if not wait and host.free + self._buffers.work_bytes < nbytes:
                 return False
             self._buffers.drop_work()
-            self._reserve(nbytes)
+            self._make_room(nbytes)
             self._buffers.hold_work(nbytes)
         return True
 
@@ -247,7 +247,10 @@ class Pipeline:
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
             self._drop_reading(job.name)
         if job.name not in self._reading:
-            self._start_reads(job, self._wait_for_room(job))
+            sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
+            with self._cv:
+                claimed = self._make_room(job.nbytes, sizes)
+            self._start_reads(job, claimed)
         reading = self._reading.pop(job.name)
         try:
             reading.done.result()
@@ -385,36 +388,23 @@ class Pipeline:
         return on_host, landed
 
     # ------------------------------------------------------------------ budget and buffers
-    def _wait_for_room(self, job: Job) -> list[torch.Tensor | None]:
-        """Reserve ``job``'s bytes, waiting for write-behinds if need be; the idle buffers it
-        reuses. Each finished write-behind gives its buffers back: the job claims them as soon
-        as the room is there (claimed buffers are on no books while it waits, so it claims
-        none before). Without writes in flight, :meth:`_reserve` makes the room."""
-        sizes = self._buffer_sizes(job)
-        with self._cv:
-            claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
-            while claimed is None and self._disk.in_flight:
-                self._cv.wait()
-                claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
-            if claimed is None:
-                self._reserve(job.nbytes)
-                claimed = [None] * len(sizes)
-        return claimed
+    def _make_room(self, nbytes: int, sizes: Sequence[int] = ()) -> list[torch.Tensor | None]:
+        """Reserve ``nbytes`` in the host ledger and claim idle buffers for reads of ``sizes``
+        bytes (``None`` where none is idle); the caller holds the condition.
 
-    def _reserve(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` in the host ledger (the caller holds the condition)."""
-        host = self._ledgers[HOST]
-        resident = self._kept[HOST].nbytes + self._buffers.work_bytes
-        if resident + nbytes > self.budget:
-            raise BudgetError(
-                f"a job of {nbytes} bytes does not fit the pipeline's budget of {self.budget} "
-                f"bytes beside {resident} bytes of resident jobs and work buffer; raise the budget"
-            )
-        # Write-behinds free room as they finish. Without any in flight, what holds the room
-        # is resident jobs (checked above) and reads started ahead for this pass: drop those.
-        # Idle pooled buffers are trimmed only once the room is there (they hold none of the
-        # ledger's room; trimming earlier would only free buffers the next reads could reuse).
-        while host.free < nbytes:
+        Write-behinds free room as they end, each giving its buffers back for the next reads
+        to reuse. Without any in flight, what holds the room is resident jobs and the work
+        buffer (``BudgetError`` when they leave too little) and reads started ahead for this
+        pass, which are dropped, latest first.
+        """
+        while (claimed := self._buffers.claim_and_reserve(nbytes, list(sizes))) is None:
+            resident = self._kept[HOST].nbytes + self._buffers.work_bytes
+            if resident + nbytes > self.budget:
+                raise BudgetError(
+                    f"a job of {nbytes} bytes does not fit the pipeline's budget of "
+                    f"{self.budget} bytes beside {resident} bytes of resident jobs and work "
+                    "buffer; raise the budget"
+                )
             if self._disk.in_flight:
                 self._cv.wait()
             elif self._reading:
@@ -423,10 +413,9 @@ class Pipeline:
                     self._drop_reading(next(reversed(self._reading)))
                 finally:
                     self._cv.acquire()
-            else:
-                break
-        self._buffers.trim_for(nbytes)
-        host.reserve(nbytes, can_wait=lambda: False)
+            else:  # nothing will free the room: the ledger says what holds it
+                self._ledgers[HOST].reserve(nbytes, can_wait=lambda: False)
+        return claimed
 
     def _buffer_sizes(self, job: Job) -> list[int]:
         """Bytes of the buffers ``job`` takes from the pool: one per read."""
@@ -436,18 +425,13 @@ class Pipeline:
         """Start ``job``'s reads (its bytes reserved) into the ``claimed`` idle buffers, or new
         ones from the pool where ``None``."""
         tensors: dict[Region, torch.Tensor] = {}
-        buffers = iter(claimed)
         try:
-            for region in job.reads:
+            buffers = self._buffers.take_all(claimed, self._buffer_sizes(job))
+            for region, buf in zip(job.reads, buffers, strict=True):
                 dtype = self._dtype(region.key)
-                nbytes = region.numel * dtype.itemsize
-                buf = next(buffers, None)
-                if buf is None:
-                    buf = self._buffers.take(nbytes)
-                tensors[region] = buf[:nbytes].view(dtype)
+                tensors[region] = buf[: region.numel * dtype.itemsize].view(dtype)
             done = self._disk.read_all(tensors)  # after the writes it overlaps reach the store
         except BaseException:
-            self._buffers.give_all(buffers)
             self._give_back(job, tensors)
             raise
         self._reading[job.name] = _Reading(job, tensors, done)
@@ -526,13 +510,14 @@ class Pipeline:
         if not nbytes:
             return
         with self._cv:
-            self._reserve(nbytes)
+            claimed = self._make_room(nbytes, list(sizes.values()))
         buffers: list[torch.Tensor] = []
         try:
-            host = {}
-            for region, tensor in writes.items():
-                buffers.append(self._buffers.take(sizes[region]))
-                host[region] = buffers[-1][: sizes[region]].view(tensor.dtype)
+            buffers = self._buffers.take_all(claimed, list(sizes.values()))
+            host = {
+                region: buf[: sizes[region]].view(tensor.dtype)
+                for (region, tensor), buf in zip(writes.items(), buffers, strict=True)
+            }
             on_host, landed = to_host_all(self._transfers, host, writes)
         except BaseException:
             self._buffers.give_back(buffers, nbytes)
