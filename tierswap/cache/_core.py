@@ -47,15 +47,12 @@ class CacheStore(StoreProtocol, Protocol):
 class CacheCore:
     """Which item is in which tier, the room each needs, and the I/O that fills and empties them.
 
-    Owns the item metadata, the write-backs in flight (``write_backs``: reads of those keys wait
-    for them), the callers blocked for room, and the engine :class:`~tierswap.engine.Disk` its
-    reads and writes go through (which keeps the errors of background writes, raised once).
-    Holds the :class:`Tier` books and the :class:`Gate` it is given.
-
-    Every method expects the gate's lock held unless it says otherwise. Store calls are deferred
-    to the gate; their completions (``_loaded``, ``_written``, ``_moved``) take the lock.
-    ``queued()`` names the keys the prefetch queues still want (their room is kept for them).
-    """
+    Owns the item metadata, the write-backs in flight (reads of those keys wait for them), the
+    callers blocked for room and the engine :class:`~tierswap.engine.Disk`; holds the
+    :class:`Tier` books and the :class:`Gate`. Every method expects the gate's lock held unless it
+    says otherwise; store calls are deferred to the gate, and their completions (``_loaded``,
+    ``_written``, ``_moved``) take the lock. ``queued()`` names the keys the prefetch queues still
+    want (their room is kept for them)."""
 
     def __init__(
         self,
@@ -172,10 +169,6 @@ class CacheCore:
             return True
         return not prefetch and t.release_earmarks(lambda k: k == key)
 
-    def coming(self, tier: TierName, size: int, key: str) -> bool:
-        """True when the bytes ``key`` waits for are on their way (write-backs in flight)."""
-        return self.tiers[tier].coming(key, size)
-
     def release_unwanted(self, queued: set[str]) -> None:
         """Free earmarked bytes of keys nobody waits for or queues any more."""
         for t in self.tiers.values():
@@ -188,10 +181,15 @@ class CacheCore:
         return key in self._demand_keys or key in (queued if queued is not None else self._queued())
 
     def wait_for_room(self, t: Tier, size: int, key: str) -> None:
-        """One wait for bytes to free up in ``t``; prefetches stand back meanwhile."""
+        """One wait for bytes to free up in ``t``, the caller blocked and ``key`` wanted
+        meanwhile; prefetches stand back."""
         timeout = self._check_pins(t, size)
-        with self._blocking(key), t.demanded():
-            self.gate.wait(timeout)
+        self._demand_keys[key] += 1
+        try:
+            with self.blocked_on(), t.demanded():
+                self.gate.wait(timeout)
+        finally:
+            self._demand_keys -= Counter({key: 1})  # a count that reaches 0 leaves
 
     def _check_pins(self, t: Tier, size: int) -> float | None:
         """Raise when waiting for room could never end; else how long to wait (None: a wake).
@@ -199,10 +197,11 @@ class CacheCore:
         Pins held by other threads that are not themselves blocked here will be released, so
         the caller waits for them (polling: unpinning is not an event it can miss safely).
         """
-        pinned = t.pinned_bytes()
+        pinned = sum(e.size for e in t.entries.values() if e.pins)
         if pinned + size <= t.budget and (t.unsettled() or self.gate.pending):
             return None
-        others = t.pin_holders() - self.blocked - {threading.get_ident()}
+        holders = {tid for e in t.entries.values() for tid in e.pinners}
+        others = holders - self.blocked - {threading.get_ident()}
         if others:
             return 0.05
         raise BudgetError(
@@ -220,17 +219,6 @@ class CacheCore:
             yield
         finally:
             self.blocked.discard(me)
-
-    @contextlib.contextmanager
-    def _blocking(self, key: str) -> Iterator[None]:
-        self._demand_keys[key] += 1
-        try:
-            with self.blocked_on():
-                yield
-        finally:
-            self._demand_keys[key] -= 1
-            if not self._demand_keys[key]:
-                del self._demand_keys[key]
 
     # ---------------------------------------------------------------- eviction and moves
     def evict(self, entry: Entry, *, demote: bool, for_key: str | None = None) -> None:

@@ -15,18 +15,13 @@ from tierswap.errors import StoreClosedError
 class Gate:
     """The cache's lock, its deferred store calls, and the pump thread that plans prefetches.
 
-    Concurrency rule: all of a cache's state (tiers and their ledgers, entries, queues,
-    counters) changes only while ``cv`` is held. Store calls that start I/O or look up metadata
-    are never made under it: they are queued with :meth:`defer` and run with the lock released,
-    by the calling thread on its way out (:meth:`drain`), by a caller about to wait
-    (:meth:`wait`), or by the pump thread. I/O completions arrive on the store's threads; they
-    take the lock, update state and :meth:`wake` the pump, which plans the prefetches that the
-    freed bytes allow.
-
-    The lock is reentrant only so that the engine's ledgers, which share ``cv``, can be called
-    under it; the cache takes it once per call, so the single release in :meth:`run_deferred`
-    frees it for the store calls.
-    """
+    All of a cache's state changes only while ``cv`` is held. Store calls that start I/O or look up
+    metadata are never made under it: :meth:`defer` queues them, and they run with the lock
+    released, by the calling thread on its way out (:meth:`drain`), by a caller about to wait
+    (:meth:`wait`) or by the pump. I/O completions take the lock, update state and :meth:`wake` the
+    pump, which plans the prefetches the freed bytes allow. The lock is reentrant only for the
+    engine's ledgers, which share ``cv``; the cache takes it once per call, so the one release in
+    :meth:`run_deferred` frees it."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()

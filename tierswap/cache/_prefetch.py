@@ -25,14 +25,11 @@ Item = tuple[str, TierName]
 class Prefetcher:
     """Keys to read ahead, in order, and the planning that starts what room allows.
 
-    Two queues: ``explicit`` (from :meth:`TierCache.prefetch`, kept until done) and the
-    read-ahead (the policy's ``upcoming()`` after each access, consumed lazily and replaced by
-    the next access). :meth:`plan` never waits: a prefetch that cannot get room yet stays
-    queued, and the pump plans again when I/O completes.
-
-    Not thread-safe on its own: every method runs under the cache's lock, on the
-    :class:`CacheCore` passed in.
-    """
+    Two queues: ``explicit`` (from :meth:`TierCache.prefetch`, kept until done) and the read-ahead
+    (the policy's ``upcoming()`` after each access, consumed lazily, replaced by the next
+    access). :meth:`plan` never waits: a prefetch without room yet stays queued, and the pump
+    plans again when I/O completes. Every method runs under the cache's lock, on the
+    :class:`CacheCore` given."""
 
     def __init__(self) -> None:
         self.explicit: list[Item] = []
@@ -114,7 +111,7 @@ class Prefetcher:
         core.policy.admit(entry.key)
         if core.move(entry, tier, prefetch=True):
             return _DONE
-        return _WAITING if core.coming(tier, entry.size, entry.key) else _BLOCKED
+        return _WAITING if core.tiers[tier].coming(entry.key, entry.size) else _BLOCKED
 
     @staticmethod
     def _try_load(core: CacheCore, key: str, meta: Meta, tier: TierName) -> str:
@@ -122,7 +119,7 @@ class Prefetcher:
         load_tier: TierName = HOST if meta.footprint <= core.tiers[HOST].budget else tier
         core.policy.admit(key)
         if not core.reserve(load_tier, meta.footprint, key, prefetch=True):
-            return _WAITING if core.coming(load_tier, meta.footprint, key) else _BLOCKED
+            return _WAITING if core.tiers[load_tier].coming(key, meta.footprint) else _BLOCKED
         core.new_loading(key, meta, load_tier)
         return _DONE if load_tier == tier else _PENDING
 

@@ -93,31 +93,25 @@ class WriteBack:
 
 
 class Tier:
-    """One memory tier of a cache: a :class:`~tierswap.engine.Ledger` and views over its bytes.
+    """One memory tier of a cache: a :class:`~tierswap.engine.Ledger` (``used``, ``budget`` and the
+    counters; every change of ``used`` is one of its calls) and what its bytes are held for:
 
-    The ledger owns ``used`` and ``budget`` (its invariant ``0 <= used <= budget``) and the
-    counters (``hits``, ``misses``, ``bytes_in``, ``bytes_out``); every change of ``used`` is one
-    of its ``try_reserve`` / ``release`` calls. The cache refines what those bytes are for:
-
-    - ``resident``: the sizes of ``entries`` (items ready, being read in, or being flushed), the
-      engine's resident book of this tier;
-    - ``writing``: bytes that leave once their I/O ends: dirty victims being written down (free
-      once the store has them), and entries moving to the other tier (free once the copy has
-      read them);
+    - ``resident``: the entries' sizes (ready, being read in or flushed): the tier's
+      :class:`~tierswap.engine.ResidentSet`;
+    - ``writing``: bytes that leave once their I/O ends: dirty victims being written down, and
+      entries moving to the other tier until their copy has read them;
     - ``promised``: the part of ``writing`` evicted to make room for a key, by that key;
     - ``earmarks``: bytes of written victims set aside for the key they were evicted for, until
-      that key's read takes them (so a read never takes room another one is waiting for).
+      its read takes them (so a read never takes room another one waits for).
 
-    **Invariant**, checked after every change here::
+    **Invariant**, checked after every change::
 
         resident + writing + sum(earmarks) <= used <= budget
         sum(promised) <= writing;   every earmark and promise > 0;   demand_waiting >= 0
 
-    with equality on the left whenever the cache's lock is free (:meth:`balanced`): bytes are
-    reserved just before an entry joins and released just after one leaves, under one holding
-    of the lock. ``demand_waiting`` counts callers blocked until bytes free up here (they go
-    before prefetches).
-    """
+    with equality on the left whenever the cache's lock is free (:meth:`balanced`).
+    ``demand_waiting`` counts callers blocked until bytes free up here (they go before
+    prefetches)."""
 
     def __init__(
         self, name: TierName, budget: int, cv: threading.Condition, device: torch.device
@@ -272,13 +266,6 @@ class Tier:
         )
 
     # ------------------------------------------------------------ choosing victims
-    def pinned_bytes(self) -> int:
-        return sum(e.size for e in self.entries.values() if e.pins)
-
-    def pin_holders(self) -> set[int]:
-        """Ids of the threads holding pins in this tier."""
-        return {tid for e in self.entries.values() for tid in e.pinners}
-
     def unsettled(self) -> bool:
         """True while some state change in flight may later free or unblock bytes here."""
         return self.writing > 0 or any(

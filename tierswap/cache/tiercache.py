@@ -1,22 +1,10 @@
 """The three-tier cache: device memory, page-aligned host memory, and the store on NVMe.
 
-Every item lives in at most one memory tier at a time (the tiers are exclusive) and, once written
-down, in the store. Budgets count whole 4 KiB pages and are hard limits: bytes being read in and
-dirty bytes being written down count until the I/O finishes.
-
-The cache is composed of the engine's parts and four small private ones, each owning its state:
-
-- :class:`~tierswap.cache._tiers.Tier` (one per memory tier): an engine
-  :class:`~tierswap.engine.Ledger` (``used``/``budget``, hits, misses, bytes in and out) and the
-  entries and write-backs that its bytes are held for;
-- :class:`~tierswap.cache._core.CacheCore`: which item is where, room and eviction (the
-  engine's policy decides), moves between tiers, and the I/O that fills and empties them
-  (buffers from :func:`tierswap.engine.allocate`);
-- :class:`~tierswap.cache._prefetch.Prefetcher`: the prefetch and read-ahead queues;
-- :class:`~tierswap.cache._gate.Gate`: the one lock, the store calls run outside it, the pump.
-
-The public API and the get/put paths live here.
-"""
+The public API and the get/put paths live here, over private parts that each own their state:
+:class:`~tierswap.cache._tiers.Tier` (a tier's ledger and the entries and write-backs its bytes
+are held for), :class:`~tierswap.cache._core.CacheCore` (which item is where, room, eviction,
+moves and I/O), :class:`~tierswap.cache._prefetch.Prefetcher` (the prefetch queues) and
+:class:`~tierswap.cache._gate.Gate` (the one lock, store calls outside it, the pump)."""
 
 from __future__ import annotations
 
@@ -66,25 +54,20 @@ class TierCache:
 
     Notes
     -----
-    Items larger than a tier's budget skip that tier when the cache places them itself
-    (``put``/``get`` with ``tier=None``, prefetches, demotions); naming that tier explicitly
-    raises :class:`~tierswap.errors.BudgetError`. A tensor returned by ``get`` stays valid until
-    the item is evicted; to modify it in place, hold it with :meth:`pinned`, then call
-    :meth:`mark_dirty`.
+    Every item lives in at most one memory tier (the tiers are exclusive) and, once written down,
+    in the store. Budgets count whole 4 KiB pages and are hard limits (an engine
+    :class:`~tierswap.engine.Ledger` per tier): bytes being read in and dirty bytes being written
+    down count until their I/O ends. An item larger than a tier's budget skips that tier when the
+    cache places it (``tier=None``, prefetches, demotions); naming that tier raises
+    :class:`~tierswap.errors.BudgetError`. A tensor returned by ``get`` stays valid until the
+    item is evicted; to modify it in place, hold it with :meth:`pinned`, then :meth:`mark_dirty`.
 
-    Each tier's bytes are an engine :class:`~tierswap.engine.Ledger` (``0 <= used <= budget``
-    at every instant); :meth:`stats` reports the ledgers.
-
-    Thread safety: ``get``, ``put``, ``prefetch`` and the rest are safe to call from many
-    threads at once. One lock (the :class:`~tierswap.cache._gate.Gate`'s, shared by the tiers'
-    ledgers) guards all state; no call holds it twice (only the ledgers re-enter it), so a
-    wait releases it whole. What runs outside it: the store calls
-    that start reads and writes or look up metadata (queued under the lock, started right after
-    it is released, by the calling thread or the cache's pump thread), the I/O itself on the
-    store's threads, and whatever a ``with pinned(...)`` block does with its tensor. I/O
-    completions take the lock only to update state and wake waiters; the pump thread then plans
-    the prefetches the freed bytes allow.
-    """
+    Thread safety: every method may be called from many threads at once. One lock (the
+    :class:`~tierswap.cache._gate.Gate`'s) guards all state and no call holds it twice, so a wait
+    releases it whole. Store calls that start I/O or look up metadata run outside it (by the
+    calling thread on its way out, or the pump thread), as do the I/O itself and the body of a
+    ``with pinned(...)`` block. I/O completions take the lock only to update state and wake
+    waiters; the pump then plans the prefetches the freed bytes allow."""
 
     def __init__(
         self,

@@ -1,18 +1,10 @@
 """The one movement engine under :class:`~tierswap.Pipeline` and :class:`~tierswap.TierCache`.
 
-Both front ends compose the same parts: a byte :class:`Ledger` per memory tier (its invariant:
-``0 <= used <= budget``, every byte reserved before it is allocated), a :class:`BufferPool` of
-page-aligned (pinned on CUDA) buffers per tier, the eviction policies that choose what stays
-resident (:mod:`~tierswap.engine.policies`, and :func:`place` for a cyclic schedule) and the
-book of what is (:class:`ResidentSet`, one per tier), one
-allocator for a tier's buffers (:func:`allocate`: the pool's, and the cache's items), and one
-statistics type (:class:`TierStats`, :class:`CacheStats`), and the transfers: disk <-> host
-through one :class:`Disk` per front end (reads into reserved buffers, write-behind raised
-once, reads ordered after the writes they overlap), host <-> device through
-:mod:`~tierswap.engine.transfer`
-(side streams and events on CUDA; :class:`DeviceStaging` keeps a front end's work on the
-device within the device ledger). Nothing here imports a front end.
-"""
+Both front ends compose these parts (docs/architecture.md draws them): a :class:`Ledger` and a
+:class:`ResidentSet` per memory tier, the :class:`BufferPool` and :func:`allocate`, the eviction
+policies (:mod:`~tierswap.engine.policies`; :func:`place` on a cyclic schedule), the statistics
+types, one :class:`Disk` per front end (disk <-> host) and the transfers (host <-> device:
+:mod:`~tierswap.engine.transfer`, :class:`DeviceStaging`). Nothing here imports a front end."""
 
 from __future__ import annotations
 

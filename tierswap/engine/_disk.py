@@ -1,20 +1,14 @@
 """The engine's one path to and from the store: reads into buffers a front end reserved, and
 write-behind, with its error and ordering rules.
 
-Both front ends move bytes only through a :class:`Disk`: the :class:`~tierswap.Pipeline` reads
-and writes :class:`Region` s of stored arrays, the :class:`~tierswap.TierCache` whole items
-(a plain key). The rules live here once:
+The :class:`~tierswap.Pipeline` reads and writes :class:`Region` s of stored arrays, the
+:class:`~tierswap.TierCache` whole items (a plain key), both through a :class:`Disk`, where the
+rules live once: a failed write-behind is kept and raised once (its callback hears of it too);
+a write may wait for its bytes (``after``: a copy back from the device), and a read of bytes
+such a write replaces waits until the store has the write; a write that cannot start counts as
+failed once the writes of the same call that did start have ended.
 
-- a write-behind that fails is kept and raised once, by the next :meth:`Disk.raise_errors`;
-  its completion callback hears of the failure too (the cache puts the item back);
-- a write may wait for its bytes (``after``: a copy back from the device) before the store gets
-  it; a read of bytes such a write will replace waits until the store has the write, which it
-  then orders before the read;
-- a write that cannot even start counts as a failed write, after the writes of the same call
-  that did start have ended (their buffers are free when the callback runs).
-
-Private to :mod:`tierswap.engine`.
-"""
+Private to :mod:`tierswap.engine`."""
 
 from __future__ import annotations
 
@@ -168,15 +162,12 @@ class Disk:
         then: Then | None = None,
         keep_errors: bool = True,
     ) -> Future[Any]:
-        """Write ``writes`` behind the caller, once ``after`` (if given) completes, and call
-        ``then(error)`` when they have ended; a failure is also kept for :meth:`raise_errors`
-        unless ``keep_errors`` is false (the caller hears of it through ``then`` or the future
-        returned, which completes as the store's writes do).
-
-        The store gets the writes on the thread that completes ``after``, so the caller never
-        waits for a copy back from the device. The caller's tensors must stay unchanged until
-        ``then`` runs.
-        """
+        """Write ``writes`` behind the caller, once ``after`` (if given) completes, then call
+        ``then(error)``. A failure is kept for :meth:`raise_errors` unless ``keep_errors`` is false
+        (the caller hears of it through ``then`` or the future returned, which completes with the
+        store's writes). The store gets the writes on the thread that completes ``after``, so the
+        caller never waits for a copy back from the device; its tensors must stay unchanged until
+        ``then`` runs."""
         done: Future[Any] = Future()
         with self._cv:
             self._futures.append(done)

@@ -18,20 +18,15 @@ __all__ = ["Ledger"]
 class Ledger:
     """Used and free bytes of one tier (device or host) under a hard budget.
 
-    **Invariant**: ``0 <= used <= budget`` after every call, checked on every change. A front end
-    reserves the bytes of a buffer before it allocates it (a read's destination, a tensor kept
-    resident, a transient copy made for a write) and releases them after the buffer is freed or
-    handed to the pool's free list, which the ledger also counts: idle pooled buffers are memory
-    too. So the tier's memory never exceeds its budget, whatever the disk's speed.
+    **Invariant**: ``0 <= used <= budget``, checked on every change. A front end reserves a
+    buffer's bytes before it allocates it (a read's destination, a resident tensor, a transient
+    copy for a write) and releases them once it is freed or idle in a pool (idle pooled buffers are
+    memory too, kept within the room left). So the tier's memory stays within its budget, whatever
+    the disk's speed. The ledger also owns the counters of what the tier serves: ``hits`` /
+    ``misses`` (:meth:`count_use`) and ``bytes_in`` / ``bytes_out`` (:meth:`count_moved`).
 
-    The ledger also counts what the tier serves: ``hits`` / ``misses`` (a use found the data
-    here, or had to bring it in: :meth:`count_use`) and ``bytes_in`` / ``bytes_out`` (bytes
-    moved into and out of the tier: :meth:`count_moved`). Only its own methods change them.
-
-    Thread safety: every method takes ``cv``; a front end passes its own condition so that its
-    state and its ledgers change under one lock (``reserve`` then waits on that condition, so
-    whatever the front end notifies wakes it).
-    """
+    Thread safety: every method takes ``cv``, the front end's own condition, so that its state and
+    its ledgers change under one lock (and :meth:`reserve` wakes on what the front end notifies)."""
 
     def __init__(self, name: str, budget: int, cv: threading.Condition | None = None) -> None:
         if budget < 0:

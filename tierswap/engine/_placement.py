@@ -1,18 +1,13 @@
 """Which items of a cyclic schedule stay resident, and in which tier: the policy decides.
 
-Private to :mod:`tierswap.engine`.
+A training step touches its slices in the same order every step. The policy is replayed on two
+cycles of that schedule against a tier's capacity (demand paging: each use of an item not held
+is a miss, room is made by evicting the policy's victims); the items that hit in the second
+cycle stay resident, the rest streams. The device tier is filled first, then host memory from
+what the device does not hold. On a cycle larger than the tier LRU keeps nothing; lookahead
+(Belady) keeps all but about one item's worth, the optimum.
 
-A training step touches its slices in the same order every step. The policy (LRU, lookahead,
-or the user's :class:`~tierswap.engine.policies.EvictionPolicy`) is replayed on two cycles of that
-schedule against a tier's capacity, with demand paging: each use of an item not held is a miss,
-and room is made by evicting the policy's victims. The items that hit in the second cycle are
-the ones the policy keeps across a whole cycle; they stay resident, and the rest streams. The
-device tier is filled first, then host memory from what the device does not hold.
-
-On a cyclic schedule larger than the tier, LRU evicts every item just before its next use and
-keeps nothing; lookahead (Belady) keeps all but about one item's worth of the capacity, the
-optimum.
-"""
+Private to :mod:`tierswap.engine`."""
 
 from __future__ import annotations
 

@@ -14,14 +14,10 @@ __all__ = ["BufferPool", "allocate", "base_bytes"]
 
 
 class BufferPool:
-    """Page-aligned byte buffers by capacity, reused across passes so that reads land in memory
-    that is already mapped (a fresh buffer costs a page fault per 4 KiB on first touch).
-
-    Not thread-safe: callers hold their front end's lock. ``trim`` keeps the idle buffers within
-    the room a tier's ledger has left, so buffers held plus idle never exceed the budget.
-    ``pin=None`` pins host buffers when CUDA is present; ``device`` other than the CPU makes
-    device buffers instead (a device tier on a GPU).
-    """
+    """Page-aligned byte buffers by capacity, reused across passes so that reads land in memory that
+    is already mapped (a fresh buffer costs a page fault per 4 KiB on first touch). Not
+    thread-safe: callers hold their front end's lock, and :meth:`trim` keeps the idle buffers
+    within the room their tier's ledger has left."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self._device = device if device is not None else torch.device("cpu")
@@ -85,15 +81,11 @@ def allocate(
     *,
     pin: bool | None = None,
 ) -> torch.Tensor:
-    """A fresh, uninitialised buffer in one tier's memory: the engine's one allocator.
-
-    On the CPU (host memory, or a device tier without a GPU) the buffer is page-aligned and spans
-    whole 4 KiB pages (:func:`tierswap.io.aligned_empty`; ``pin=None`` pins it when CUDA is
-    present); on any other device it is an ordinary tensor in that device's memory. The caller
-    has reserved its bytes in the tier's :class:`Ledger`. :class:`BufferPool` makes its buffers
-    here; :class:`~tierswap.TierCache`, whose items come in every size and are not recycled,
-    calls it directly.
-    """
+    """A fresh, uninitialised buffer in one tier's memory: the engine's one allocator (the pool's,
+    and the cache's items, which come in every size and are not recycled). On the CPU it is
+    page-aligned and spans whole 4 KiB pages (:func:`tierswap.io.aligned_empty`; ``pin=None`` pins
+    it when CUDA is present); elsewhere an ordinary tensor in that device's memory. The caller has
+    reserved its bytes in the tier's :class:`Ledger`."""
     if device is not None and device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     return aligned_empty(shape, dtype, pin=pin)

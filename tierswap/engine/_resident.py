@@ -18,16 +18,11 @@ V = TypeVar("V")
 
 
 class ResidentSet(Generic[K, V]):
-    """Items kept in one tier (``ledger``'s), each with the bytes reserved for it.
-
-    The bytes of an item are reserved in the ledger before it joins (:meth:`keep`); they leave
-    with it, either released (:meth:`drop`: the memory is gone) or still reserved
-    (:meth:`leave`: the caller moves them on, e.g. to a write-back that frees them once the
-    store has the bytes). ``nbytes`` is the sum over the items, so a front end's books can say
-    what of ``ledger.used`` is resident and what is in flight.
-
-    Thread safety: the front end calls it under the condition that guards its ledger.
-    """
+    """Items kept in one tier (``ledger``'s), each with the bytes reserved for it before it joins
+    (:meth:`keep`). An item leaves with its bytes released (:meth:`drop`) or still reserved
+    (:meth:`leave`: the caller moves them on, e.g. to a write-back that frees them once the store
+    has the bytes). ``nbytes`` sums the items, so a front end can tell what of ``ledger.used`` is
+    resident and what is in flight. Called under the condition that guards ``ledger``."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger

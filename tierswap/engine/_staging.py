@@ -36,15 +36,12 @@ class Staged(Generic[K]):
 class DeviceStaging(Generic[K]):
     """Copies jobs' tensors to the device for their work and their results back to the host.
 
-    Every job on the device holds its bytes in the device ``ledger`` from its copy in until its
+    A job on the device holds its bytes in the device ``ledger`` from its copy in until its
     results have landed in host memory (or, kept resident there, until the front end releases
-    them). Copies issued ahead (:meth:`ahead`) wait, by job name, for the job to be taken;
-    results copied back into a host-resident job's tensors are *landing* until their copies
-    complete, and the job's next use waits for them (:meth:`wait_landing`).
-
-    Thread safety: called from the front end's thread; the completions of copies (on any
-    thread) only release device bytes, under ``ledger.cv``.
-    """
+    them). Copies issued ahead (:meth:`ahead`) wait, by job name, for the job to be taken; results
+    copied back into a host-resident job's tensors are *landing* until their copies complete, and
+    its next use waits for them (:meth:`wait_landing`). Called from the front end's thread; copy
+    completions (any thread) only release device bytes, under ``ledger.cv``."""
 
     def __init__(self, transfers: Transfers, ledger: Ledger) -> None:
         self.transfers = transfers
@@ -58,10 +55,8 @@ class DeviceStaging(Generic[K]):
         self, nbytes: int, host_tensors: Mapping[K, torch.Tensor], *, wait: bool
     ) -> Staged[K] | None:
         """Reserve ``nbytes`` in the device ledger and start copying ``host_tensors`` in.
-
-        ``wait``: wait while results in flight will free device bytes (:class:`BudgetError`
-        when nothing will); else return ``None`` at once when there is no room.
-        """
+        ``wait``: wait while results in flight will free device bytes (``BudgetError`` when
+        nothing will); else ``None`` at once when there is no room."""
         if wait:
             self._ledger.reserve(nbytes, can_wait=lambda: self._pending > 0)
         elif not self._ledger.try_reserve(nbytes):

@@ -1,12 +1,9 @@
 """Reference simulations of one cache tier on a cyclic schedule: Belady's optimum and LRU.
 
-Pure Python and independent of :class:`TierCache`, so tests and ``bench/cache_policy.py`` can
-compare what the cache really read against what an ideal (or an LRU) cache would have read on
-the same schedule. Demand paging: an item is read when it is used and not resident.
-
-With equal item sizes Belady's rule (evict the item used furthest in the future) reads the fewest
-items any cache of that capacity can; with mixed sizes it is the classic heuristic.
-"""
+Pure Python, so tests and ``bench/cache_policy.py`` can compare what the cache really read
+against an ideal (or an LRU) cache on the same schedule, with demand paging. With equal sizes
+Belady's rule (evict the item used furthest in the future) reads the fewest items any cache of
+that capacity can; with mixed sizes it is the classic heuristic."""
 
 from __future__ import annotations
 

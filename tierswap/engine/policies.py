@@ -1,18 +1,13 @@
 """Eviction policies: which resident item leaves a tier first, and what to read ahead.
 
-A policy sees the stream of accesses and answers two questions for :class:`TierCache`:
+A policy sees the stream of accesses and answers :class:`TierCache` two questions:
+``victim(candidates, incoming)`` (what leaves to make room: for a demand miss, ``incoming=None``,
+some item must go; for a prefetch of ``incoming`` it may answer ``None``, "evicting now would do
+harm") and ``upcoming()`` (the keys it expects next, soonest first, prefetched in order).
 
-* ``victim(candidates, incoming)``: which resident item leaves to make room, either for a
-  demand miss (``incoming=None``: some item must go) or for a prefetch of ``incoming``, where the
-  policy may answer ``None``: "evicting anything now would do harm; wait".
-* ``upcoming()``: keys it expects to be used next, soonest first; the cache prefetches them in
-  order, stopping at the first one that cannot get room yet.
-
-A policy is not thread-safe on its own: the cache calls it under its lock. One policy instance
-serves one cache; the optimizer's placement replays a copy of it per tier
-(:func:`policy_per_tier`). A policy that can be handed the schedule ahead declares it by
-:class:`ScheduledPolicy`.
-"""
+A policy is not thread-safe on its own: the cache calls it under its lock. One instance serves
+one cache; the optimizer's placement replays a copy per tier (:func:`policy_per_tier`). A
+policy that can be handed the schedule ahead declares it by :class:`ScheduledPolicy`."""
 
 from __future__ import annotations
 
@@ -134,25 +129,19 @@ class LRUPolicy:
 class LookaheadPolicy:
     """Belady eviction and read-ahead on a cyclic schedule of keys.
 
-    A demand miss evicts the resident item whose next use (``next_use(key)``: accesses until it
-    is used again, ``inf`` when not in the schedule) is furthest away. ``upcoming()`` walks the
-    schedule from the current position; a prefetch of item ``u`` evicts the item Belady would
-    evict when ``u`` is used, as soon as that item is not needed before ``u``. On a repeating
-    schedule the cache then reads exactly as many items as Belady's optimum, only earlier.
+    A demand miss evicts the resident item whose next use (:meth:`next_use`) is furthest away.
+    ``upcoming()`` walks the schedule from the current position; a prefetch of ``u`` evicts the
+    item Belady would evict when ``u`` is used, once that item is not needed before ``u``. On a
+    repeating schedule the cache then reads exactly as many items as Belady's optimum, earlier.
 
     Parameters
     ----------
     schedule:
         The keys in the order one cycle (e.g. one training step) touches them; a key may occur
-        more than once, but not twice in a row. ``None`` learns it: accesses are recorded until
-        the first key of the recording is accessed again, and that cycle is then taken to repeat.
-
-    Notes
-    -----
-    When an access departs from the schedule (learned or handed in), the policy forgets it and
-    learns again from that access on; while learning it behaves like LRU and reads nothing ahead.
-    Call :meth:`set_schedule` to hand in a new schedule at any time.
-    """
+        more than once, not twice in a row. ``None`` learns it: accesses are recorded until the
+        first key of the recording comes again, and that cycle is taken to repeat. An access that
+        departs from the schedule makes the policy learn again from there (meanwhile it behaves as
+        LRU and reads nothing ahead); :meth:`set_schedule` hands in a new one at any time."""
 
     name = "lookahead"
 

@@ -17,11 +17,9 @@ __all__ = ["CacheStats", "TierStats"]
 
 @dataclasses.dataclass(frozen=True)
 class TierStats:
-    """One memory tier (device or host) at the moment :meth:`TierCache.stats` was called.
-
-    ``used`` counts every byte the tier holds or has reserved: resident items, reads in flight
-    into it and dirty items being written down from it. It never exceeds ``budget``.
-    """
+    """One memory tier (device or host) at the moment the stats were taken. ``used`` counts every
+    byte the tier holds or has reserved (resident items, reads in flight into it, dirty items
+    being written down); it never exceeds ``budget``."""
 
     hits: int = 0
     misses: int = 0
@@ -41,20 +39,11 @@ class CacheStats:
     :meth:`TierCache.stats`, :meth:`Pipeline.stats` and (as a dict)
     :meth:`SwapOptimizer.tier_stats`.
 
-    Parameters
-    ----------
-    device, host:
-        Per-tier hits, misses, bytes used and budget. A ``get`` at a tier is a hit when the item
-        is resident there or already being read into it (a prefetch in flight), else a miss.
-    nvme_bytes_read, nvme_bytes_written:
-        Bytes the store read and wrote since the front end was made, as the store counts them
-        (:meth:`~tierswap.engine.Disk.traffic`: each chunk file's bytes; the store's own
-        counters, so other users of the store count too).
-    nvme_reads, nvme_writes:
-        Chunk files read and written.
-    stall_seconds:
-        Time callers spent blocked waiting for reads or write-backs in flight.
-    """
+    ``device``, ``host``: per-tier counters (:class:`TierStats`); a use at a tier is a hit when
+    the item is resident there or being read into it. ``nvme_bytes_read`` / ``nvme_bytes_written``
+    and ``nvme_reads`` / ``nvme_writes``: bytes and chunk files the store read and wrote
+    (:meth:`~tierswap.engine.Disk.traffic`; the store's own counters, so other users of the store
+    count too). ``stall_seconds``: time callers spent blocked on reads or write-backs in flight."""
 
     device: TierStats
     host: TierStats

@@ -1,27 +1,16 @@
 """Host <-> device copies ordered by events: the engine's one transfer path.
 
-A slice's bytes go to the device before its step and come back after it. On CUDA both copies
-run on side streams, so they overlap the compute stream's work instead of waiting for it:
+On CUDA both directions run on side streams, so copies overlap the compute stream's work:
+:meth:`Transfers.to_device` issues the copy on the *upload* stream and the consumer's
+:meth:`Transfers.ready` makes the compute stream wait for its event (the GPU waits, the calling
+thread does not); :meth:`Transfers.to_host` makes the *download* stream wait for the compute
+work queued so far, copies there, and returns at once with a future of the moment the bytes have
+landed (the write-behind waits for it, never the caller). Every copy also has a future of the
+moment it has read its source, so a host buffer returns to a pool only when no copy reads it.
 
-- :meth:`Transfers.to_device` issues a host-to-device copy on the *upload* stream and returns the
-  device tensor with the event recorded after it (``h2d_event``). The consumer calls
-  :meth:`Transfers.ready` just before it uses the tensor: the compute stream waits for the event
-  (the GPU waits; the calling thread does not).
-- :meth:`Transfers.to_host` records an event on the compute stream (after the work queued so
-  far, the step), makes the *download* stream wait for it and issues the device-to-host copy
-  there. It returns the host tensor at once with a future that completes when the bytes have
-  landed. Whoever needs the bytes (the write-behind that hands them to the store) waits for that
-  future; the caller's thread never synchronises with the device.
-
-Every copy also comes with a future that completes when the copy has finished reading its
-source, so a host buffer goes back to a pool only when no copy still reads it.
-
-Implementations: :class:`CudaTransfers` (two side streams per GPU; one daemon thread completes
-the futures as the events are reached, in the order they were recorded), :class:`PassThrough`
-(the CPU: nothing moves, every future is complete), and any stand-in with the same interface:
-a recording one lets tests check the ordering of copies, events and steps on a machine without
-a GPU. :func:`transfers_for` picks the implementation for a device.
-"""
+:class:`CudaTransfers` (one per GPU; a daemon thread completes the futures as the events are
+reached), :class:`PassThrough` (the CPU: nothing moves) and test stand-ins with the same
+interface implement :class:`Transfers`; :func:`transfers_for` picks one for a device."""
 
 from __future__ import annotations
 

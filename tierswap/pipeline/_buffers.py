@@ -1,10 +1,6 @@
-"""The host buffers of a pipeline's jobs: one per read, and one work buffer that the jobs'
-work shares, taken from one pool and counted in the host ledger.
-
-A job's bytes are reserved in the ledger before its buffers are taken; idle pooled buffers
-count against the room the ledger has left (the pool is trimmed to it), so buffers held plus
-idle never exceed the budget. Private to :mod:`tierswap.pipeline`.
-"""
+"""The host buffers of a pipeline's jobs: one per read, and one work buffer that the jobs' work
+shares, taken from one pool and counted in the host ledger (idle buffers too: the pool is
+trimmed to the room the ledger has left). Private to :mod:`tierswap.pipeline`."""
 
 from __future__ import annotations
 
@@ -19,14 +15,10 @@ __all__ = ["JobBuffers"]
 
 
 class JobBuffers:
-    """Buffers of the jobs in flight, reused from one pass to the next.
-
-    ``host`` is the ledger the jobs' bytes are reserved in and ``cv`` the condition that
-    guards it (shared with the pipeline): methods documented "the caller holds the condition"
-    must be called under it, the others take it themselves. The work buffer is used by one
-    job's work at a time (the pipeline's caller runs them one after the other) and kept, its
-    bytes reserved, until :meth:`drop_work`.
-    """
+    """Buffers of the jobs in flight, reused from one pass to the next, their bytes reserved in
+    ``host`` (guarded by ``cv``, the pipeline's): methods documented "the caller holds the
+    condition" run under it, the others take it. The work buffer serves one job's work at a time
+    and stays, its bytes reserved, until :meth:`drop_work`."""
 
     def __init__(self, host: Ledger, cv: threading.Condition) -> None:
         self._host, self._cv = host, cv

@@ -1,34 +1,26 @@
 """How :class:`Pipeline` streams jobs: read ahead, work, write behind, within byte budgets.
 
 A cyclic workload over data larger than memory (an optimizer step) is a list of :class:`Job` s,
-each naming the :class:`Region` s (element ranges of stored tensors) it needs.
-:meth:`Pipeline.run` moves every job through three stages:
-
-1. **read-ahead**: the job's regions are read into pooled, page-aligned host buffers as soon as
-   the budget has room, several jobs ahead of the work;
-2. **work**: the caller's function runs on the caller's thread with the job's tensors and returns
-   the tensors to write back (the same buffers, updated in place, or new ones);
-3. **write-behind**: those are written asynchronously; the job's bytes return to the budget when
-   its writes finish, while later jobs already work.
+each naming the :class:`Region` s of stored tensors it needs. :meth:`Pipeline.run` moves every
+job through three stages: **read-ahead** into pooled, page-aligned host buffers as soon as the
+budget has room, several jobs ahead; **work**, the caller's function on the caller's thread,
+which returns the tensors to write; **write-behind**, after which the job's bytes return to the
+budget while later jobs already work.
 
 *Resident* jobs (``Job.tier``, chosen by the policy on the cyclic schedule:
-:func:`tierswap.engine.place`) skip stages 1 and 3 after their first pass: their tensors stay
-in the device or host tier (the engine's :class:`~tierswap.engine.ResidentSet`) until
-:meth:`Pipeline.flush`. A *held* job (:meth:`Pipeline.hold`) is a host-resident one without
-work of its own, whose tensors the caller reads and updates in place (e.g. the scales of 8-bit
-state, a page of which serves several slices).
+:func:`tierswap.engine.place`) skip read-ahead and write-behind after their first pass: their
+tensors stay in the device or host tier until :meth:`Pipeline.flush`. A *held* job
+(:meth:`Pipeline.hold`) is a host-resident one without work of its own, whose tensors the
+caller updates in place (e.g. the scales of 8-bit state, a page of which serves several slices).
 
-Everything moves through the engine: a :class:`~tierswap.engine.Ledger` per memory tier
-(``0 <= used <= budget`` at every moment; idle pooled buffers count too), one
-:class:`~tierswap.engine.Disk` for reads and write-behinds, and, for work on the device, a
-:class:`~tierswap.engine.DeviceStaging` whose copies to the device are issued before the work
-of the job ahead starts, and whose copies back land before the write-behind hands them to the
-store: the caller's thread never waits for the device.
+Everything moves through the engine: a :class:`~tierswap.engine.Ledger` per memory tier (idle
+pooled buffers count too), one :class:`~tierswap.engine.Disk`, and, for work on the device, a
+:class:`~tierswap.engine.DeviceStaging` (copies in issued during the work of the job ahead,
+copies back landing before the write-behind hands them to the store).
 
-Thread safety: ``prefetch``, ``run``, ``hold``, ``flush``, ``drain`` and ``release`` are called
-from one thread at a time (the caller's); I/O completions arrive on the store's threads and only
-touch the ledgers and the buffer pools, under one condition variable.
-"""
+Thread safety: the public methods are called from one thread at a time (the caller's); I/O
+completions arrive on the store's threads and only touch the ledgers and the buffer pools, under
+one condition variable."""
 
 from __future__ import annotations
 
