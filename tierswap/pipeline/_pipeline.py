@@ -50,7 +50,7 @@ from tierswap.engine import (
     transfers_for,
 )
 from tierswap.errors import BudgetError
-from tierswap.io import footprint, gather
+from tierswap.io import footprint
 from tierswap.pipeline._buffers import JobBuffers
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.tiers import DEVICE, HOST, TierName
@@ -114,11 +114,9 @@ class Pipeline:
         }
         self._device = device if device is not None else torch.device("cpu")
         self._transfers = transfers if transfers is not None else transfers_for(self._device)
-        self._staging: DeviceStaging[Region] | None = (
-            DeviceStaging(self._transfers, self._ledgers[DEVICE])
-            if work_on_device and self._transfers.moves
-            else None
-        )  # None: the work gets host tensors (or resident device ones), as they are
+        self._staging: DeviceStaging[Region] = DeviceStaging(self._transfers, self._ledgers[DEVICE])
+        # else the work gets host tensors (or resident device ones), as they are
+        self._work_on_device = work_on_device and self._transfers.moves
         self._reading: dict[Hashable, _Reading] = {}
         self._kept: dict[TierName, ResidentSet[Hashable, dict[Region, torch.Tensor]]] = {
             tier: ResidentSet(ledger) for tier, ledger in self._ledgers.items()
@@ -291,17 +289,14 @@ class Pipeline:
         there); the next use of the job waits until they have landed."""
         host, landed = self._copy_out(resident, staged, writes)
         resident.update(host)
-        if self._staging is not None:
-            self._staging.land(name, landed)
-        else:
-            landed.result()  # copied at once: nothing moves
+        self._staging.land(name, landed)
 
     def _abandon(
         self, job: Job, tensors: dict[Region, torch.Tensor], staged: Staged[Region] | None
     ) -> None:
         """Undo a job whose work failed: its device copies go, and a streamed job's host
         buffers go back once no copy reads them (a resident job keeps its tensors)."""
-        if staged is not None and self._staging is not None:
+        if staged is not None:
             self._staging.abandon(staged)
         if self.resident_tier(job.name) is None:
             self._give_back(job, tensors)
@@ -315,39 +310,37 @@ class Pipeline:
     ) -> bool:
         """Make ``job`` resident in the device tier after its first pass; ``False`` when that
         tier has no room for it (it then streams, as any other job)."""
-        device = self._ledgers[DEVICE]
-        if staged is not None:  # on the device already, its bytes reserved there: they stay
-            with self._cv:  # if the device still has room for the work of one more job
+        device, host, merged = self._ledgers[DEVICE], self._ledgers[HOST], {**tensors, **writes}
+        if staged is None and not self._transfers.moves:  # a device tier in host memory
+            if not device.try_reserve(job.nbytes):
+                return False
+            self._kept[DEVICE].keep(job.name, merged, job.nbytes)  # the same buffers, which
+            with self._cv:  # leave the host's books
+                host.release(job.nbytes)
+                device.count_moved(into=nbytes_of(merged))
+                host.count_moved(out=nbytes_of(merged))
+            return True
+        if staged is None:
+            staged = self._staging.copy_in(job.nbytes, merged, wait=False)
+            if staged is None:
+                return False
+            host.count_moved(out=nbytes_of(merged))
+            kept = self._staging.ready(staged)
+        else:  # on the device already, its bytes reserved there: they stay if the device
+            with self._cv:  # still has room for the work of one more job
                 if device.free < job.nbytes:
                     return False
             kept = {region: copy.device_tensor for region, copy in staged.copies.items()}
-            self._kept[DEVICE].keep(job.name, {**kept, **writes}, job.nbytes)  # bytes_in: staged
-            staged.read.add_done_callback(lambda _: self._give_back(job, tensors))
-            return True
-        if not device.try_reserve(job.nbytes):
-            return False
-        merged = {**tensors, **writes}
-        device.count_moved(into=nbytes_of(merged))
-        self._ledgers[HOST].count_moved(out=nbytes_of(merged))
-        if not self._transfers.moves:  # a device tier in host memory keeps the same buffers
-            self._kept[DEVICE].keep(job.name, merged, job.nbytes)
-            with self._cv:  # they leave the host's books
-                self._ledgers[HOST].release(job.nbytes)
-            return True
-        copies = {region: self._transfers.to_device(t) for region, t in merged.items()}
-        kept = {r: self._transfers.ready(c) for r, c in copies.items()}
-        self._kept[DEVICE].keep(job.name, kept, job.nbytes)
+        self._kept[DEVICE].keep(job.name, {**kept, **writes}, job.nbytes)
         # the host buffers go back to the pool once the copies have read them
-        gather([c.done for c in copies.values()]).add_done_callback(
-            lambda _: self._give_back(job, tensors)
-        )
+        staged.read.add_done_callback(lambda _: self._give_back(job, tensors))
         return True
 
     # ------------------------------------------------------------------ the device side
     def _staging_for(self, job: Job) -> DeviceStaging[Region] | None:
         """What copies ``job``'s tensors to the device for its work; ``None`` when the work gets
         them as they are (no work on the device, or a job resident there)."""
-        if self._staging is None or self.resident_tier(job.name) == DEVICE:
+        if not self._work_on_device or self.resident_tier(job.name) == DEVICE:
             return None
         return self._staging
 
@@ -375,7 +368,7 @@ class Pipeline:
         regions when they are elsewhere) and the future of the moment they hold the bytes and
         no copy of the job reads its host buffers any more."""
         on_host, landed = to_host_all(self._transfers, host, writes)
-        if staged is not None and self._staging is not None:
+        if staged is not None:
             landed = self._staging.finished(staged, landed, nbytes_of(writes))
         return on_host, landed
 
@@ -444,16 +437,14 @@ class Pipeline:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
         the first write that failed."""
         self._disk.wait()
-        if self._staging is not None:
-            self._staging.wait_landing()
+        self._staging.wait_landing()
         self._disk.raise_errors()
 
     def release(self, names: Iterable[Hashable] | None = None) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
         then not stepped): all of them, or those of the jobs ``names``."""
         if names is None:
-            if self._staging is not None:
-                self._staging.drop_all()
+            self._staging.drop_all()
             for name in list(self._reading):
                 self._drop_reading(name)
             return
@@ -462,16 +453,14 @@ class Pipeline:
                 self._drop_reading(name)
 
     def _drop_reading(self, name: Hashable) -> None:
-        if self._staging is not None:
-            self._staging.drop(name)
+        self._staging.drop(name)
         reading = self._reading.pop(name)
         reading.done.exception()  # wait: the buffers are being filled
         self._give_back(reading.job, reading.tensors)
 
     def flush(self) -> None:
         """Write every resident job's tensors to the store and wait for all writes."""
-        if self._staging is not None:
-            self._staging.wait_landing()
+        self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
         for tier, book in self._kept.items():
             for tensors in book.values():
@@ -520,8 +509,7 @@ class Pipeline:
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
         and let the work buffer go."""
-        if self._staging is not None:
-            self._staging.drop_all()
+        self._staging.drop_all()
         self.flush()
         with self._cv:
             self._buffers.drop_work()
@@ -533,8 +521,7 @@ class Pipeline:
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
-        if self._staging is not None:
-            self._staging.wait_landing(name)
+        self._staging.wait_landing(name)
         tier = self.resident_tier(name)
         return self._kept[tier][name] if tier is not None else None
 
