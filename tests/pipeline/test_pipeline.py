@@ -86,7 +86,7 @@ def test_resident_jobs_read_once_and_write_at_flush(store) -> None:
     reads_after_first = store.stats()["bytes_read"]
     pipeline.run(jobs, _double)
     pipeline.drain()
-    assert pipeline.hits == 2
+    assert pipeline.stats().host.hits == 2
     # the second pass read only the three streamed jobs
     assert store.stats()["bytes_read"] - reads_after_first == 3 * 2048 * 4
     assert torch.equal(store.get("a"), torch.arange(100.0))  # not yet written back
@@ -105,7 +105,7 @@ def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) ->
     pipeline.prefetch([scales])
     held = pipeline.hold(scales)
     assert store.stats()["reads"] == 1
-    assert pipeline.misses == 1
+    assert pipeline.stats().host.misses == 1
 
     def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
         held[Region("a", 0, 100)].add_(1)  # the jobs' work updates the held tensors
@@ -116,8 +116,8 @@ def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) ->
         assert pipeline.hold(scales) is held
         pipeline.run(_jobs()[1:], work)
         pipeline.drain()
-    assert pipeline.hits == 2
-    assert pipeline.misses == 1 + 8
+    assert pipeline.stats().host.hits == 2
+    assert pipeline.stats().host.misses == 1 + 8
     assert torch.equal(store.get("a"), torch.arange(100.0))  # not written by the passes
     pipeline.flush()
     assert torch.equal(store.get("a"), torch.arange(100.0) + 8)

@@ -49,10 +49,10 @@ class CacheCore:
 
     Owns the item metadata, the write-backs in flight (reads of those keys wait for them), the
     callers blocked for room and the engine :class:`~tierswap.engine.Disk`; holds the
-    :class:`Tier` books and the :class:`Gate`. Every method expects the gate's lock held unless it
-    says otherwise; store calls are deferred to the gate, and their completions (``_loaded``,
-    ``_written``, ``_moved``) take the lock. ``queued()`` names the keys the prefetch queues still
-    want (their room is kept for them)."""
+    :class:`Tier` books and the :class:`Gate`. Every method expects the gate's lock held unless
+    it says otherwise; store calls are deferred to the gate, and their completions (``_loaded``,
+    ``_written``, ``_moved``) take the lock. ``queued()`` names the keys the prefetch queues
+    still want (their room is kept for them)."""
 
     def __init__(
         self,
@@ -97,11 +97,9 @@ class CacheCore:
             return self.meta.setdefault(key, meta)
 
     def stored_meta(self, key: str) -> Meta | None:
-        """``key``'s metadata in the store, or ``None`` (lock not held).
-
-        ``None`` also when the lookup fails otherwise: the caller forgets the metadata, and the
-        next use of the key looks it up again.
-        """
+        """``key``'s metadata in the store, or ``None`` (lock not held). ``None`` also when the
+        lookup fails otherwise: the caller forgets the metadata, and the next use of the key looks
+        it up again."""
         try:
             return Meta.of_info(self.store.info(key))
         except Exception:  # KeyNotFoundError, usually; any failure: see above
@@ -139,13 +137,11 @@ class CacheCore:
     def reserve(
         self, tier: TierName, size: int, key: str, *, prefetch: bool, wait: bool = False
     ) -> bool:
-        """Count ``size`` bytes as used in ``tier`` for ``key``, evicting as the policy says.
-
-        A prefetch lets the policy refuse to evict (do no harm). Bytes of dirty victims come
-        back, once written, earmarked for the key they were evicted for, so a read never takes
-        room another one is waiting for. Returns ``False`` when the bytes are not there yet,
-        after one wait for them with ``wait=True`` (the lock was released: look again).
-        """
+        """Count ``size`` bytes as used in ``tier`` for ``key``, evicting as the policy says. A
+        prefetch lets the policy refuse to evict (do no harm). Bytes of dirty victims come back,
+        once written, earmarked for the key they were evicted for, so a read never takes room
+        another one is waiting for. Returns ``False`` when the bytes are not there yet, after one
+        wait for them with ``wait=True`` (the lock was released: look again)."""
         t = self.tiers[tier]
         if size > t.budget:
             raise BudgetError(f"{format_size(size)} cannot fit the {tier} budget")
@@ -192,11 +188,9 @@ class CacheCore:
             self._demand_keys -= Counter({key: 1})  # a count that reaches 0 leaves
 
     def _check_pins(self, t: Tier, size: int) -> float | None:
-        """Raise when waiting for room could never end; else how long to wait (None: a wake).
-
-        Pins held by other threads that are not themselves blocked here will be released, so
-        the caller waits for them (polling: unpinning is not an event it can miss safely).
-        """
+        """Raise when waiting for room could never end; else how long to wait (None: a wake). Pins
+        held by other threads that are not themselves blocked here will be released, so the caller
+        waits for them (polling: unpinning is not an event it can miss safely)."""
         pinned = sum(e.size for e in t.entries.values() if e.pins)
         if pinned + size <= t.budget and (t.unsettled() or self.gate.pending):
             return None
@@ -222,10 +216,8 @@ class CacheCore:
 
     # ---------------------------------------------------------------- eviction and moves
     def evict(self, entry: Entry, *, demote: bool, for_key: str | None = None) -> None:
-        """Take a ready, unheld entry out of its tier: demote, write back, or drop.
-
-        The bytes of a written-back victim are earmarked for ``for_key`` once written.
-        """
+        """Take a ready, unheld entry out of its tier: demote, write back, or drop. The bytes of a
+        written-back victim are earmarked for ``for_key`` once written."""
         if demote and entry.tier == DEVICE and self._demote(entry, for_key):
             return
         t = self.tiers[entry.tier]
@@ -256,11 +248,9 @@ class CacheCore:
         self.tiers[entry.tier].discard(entry)
 
     def move(self, entry: Entry, target: TierName, *, prefetch: bool) -> bool:
-        """Move a ready entry to ``target`` (a host<->device copy, no disk I/O).
-
-        Returns ``False`` when there is no room yet; a demand move then waits for room without
-        holding the entry (two moves in opposite directions must not wait on each other).
-        """
+        """Move a ready entry to ``target`` (a host<->device copy, no disk I/O). Returns ``False``
+        when there is no room yet; a demand move then waits for room without holding the entry (two
+        moves in opposite directions must not wait on each other)."""
         entry.claims += 1  # demoting victims into our tier must not evict the entry itself
         try:
             ok = self.reserve(target, entry.size, entry.key, prefetch=prefetch)
@@ -382,13 +372,11 @@ class CacheCore:
         return flushing
 
     def begin_write_through(self, key: str, meta: Meta, tensor: torch.Tensor) -> None:
-        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``.
-
-        The key's cached entry leaves its tier. A dirty one holds a value the store does not
-        have yet, so it is set aside like a write-back victim (its bytes still counted) until
-        the write ends: a failed write-through puts it back, and the key keeps the value it
-        had instead of the older one in the store (or none at all).
-        """
+        """Reads of ``key`` wait (as for a write-back) until the store has ``tensor``. The key's
+        cached entry leaves its tier. A dirty one holds a value the store does not have yet, so it
+        is set aside like a write-back victim (its bytes still counted) until the write ends: a
+        failed write-through puts it back, and the key keeps the value it had instead of the older
+        one in the store (or none at all)."""
         entry = self.find(key)
         if entry is not None and entry.dirty:
             self.tiers[entry.tier].start_write(entry, None)

@@ -15,13 +15,13 @@ from tierswap.errors import StoreClosedError
 class Gate:
     """The cache's lock, its deferred store calls, and the pump thread that plans prefetches.
 
-    All of a cache's state changes only while ``cv`` is held. Store calls that start I/O or look up
-    metadata are never made under it: :meth:`defer` queues them, and they run with the lock
+    All of a cache's state changes only while ``cv`` is held. Store calls that start I/O or look
+    up metadata are never made under it: :meth:`defer` queues them, and they run with the lock
     released, by the calling thread on its way out (:meth:`drain`), by a caller about to wait
-    (:meth:`wait`) or by the pump. I/O completions take the lock, update state and :meth:`wake` the
-    pump, which plans the prefetches the freed bytes allow. The lock is reentrant only for the
-    engine's ledgers, which share ``cv``; the cache takes it once per call, so the one release in
-    :meth:`run_deferred` frees it."""
+    (:meth:`wait`) or by the pump. I/O completions take the lock, update state and :meth:`wake`
+    the pump, which plans the prefetches the freed bytes allow. The lock is reentrant only for
+    the engine's ledgers, which share ``cv``; the cache takes it once per call, so the one
+    release in :meth:`run_deferred` frees it."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -50,10 +50,8 @@ class Gate:
         return bool(self._launches)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Run the deferred calls (lock released meanwhile), or wait for a state change.
-
-        Time spent here by a caller (not the pump thread) counts as stall.
-        """
+        """Run the deferred calls (lock released meanwhile), or wait for a state change. Time spent
+        here by a caller (not the pump thread) counts as stall."""
         start = time.perf_counter()
         if self._launches:
             self.run_deferred()

@@ -25,10 +25,10 @@ Item = tuple[str, TierName]
 class Prefetcher:
     """Keys to read ahead, in order, and the planning that starts what room allows.
 
-    Two queues: ``explicit`` (from :meth:`TierCache.prefetch`, kept until done) and the read-ahead
-    (the policy's ``upcoming()`` after each access, consumed lazily, replaced by the next
-    access). :meth:`plan` never waits: a prefetch without room yet stays queued, and the pump
-    plans again when I/O completes. Every method runs under the cache's lock, on the
+    Two queues: ``explicit`` (from :meth:`TierCache.prefetch`, kept until done) and the
+    read-ahead (the policy's ``upcoming()`` after each access, consumed lazily, replaced by the
+    next access). :meth:`plan` never waits: a prefetch without room yet stays queued, and the
+    pump plans again when I/O completes. Every method runs under the cache's lock, on the
     :class:`CacheCore` given."""
 
     def __init__(self) -> None:

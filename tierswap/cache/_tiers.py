@@ -281,11 +281,9 @@ class Tier:
         strict: bool = False,
     ) -> Entry | None:
         """The entry the policy would evict (for ``incoming``, a prefetch), if evictable now.
-
-        Without ``strict`` only evictable entries (ready, not held) are candidates. With
-        ``strict`` every entry is, and the answer is ``None`` when the policy's choice is not
-        evictable right now: a prefetch then waits rather than settle for a worse victim.
-        """
+        Without ``strict`` only evictable entries (ready, not held) are candidates. With ``strict``
+        every entry is, and the answer is ``None`` when the policy's choice is not evictable right
+        now: a prefetch then waits rather than settle for a worse victim."""
         candidates = [
             key
             for key, e in self.entries.items()

@@ -166,11 +166,9 @@ class TierCache:
             self._write_through(key, tensor)
 
     def _write_through(self, key: str, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value.
-
-        After a failure the shape of the value the store still holds is looked up again (here,
-        outside the lock), so gets that waited for the write read that value.
-        """
+        """Write ``tensor`` to the store (lock not held); on failure the key keeps its value. After
+        a failure the shape of the value the store still holds is looked up again (here, outside the
+        lock), so gets that waited for the write read that value."""
         ok = False
         try:
             self._core.disk.put(key, tensor)
@@ -400,10 +398,8 @@ class TierCache:
             self._gate.wait(0.05)
 
     def _start_load(self, key: str, target: TierName) -> Entry | None:
-        """Reserve bytes and queue a read of ``key`` from the store (a demand miss).
-
-        Returns the new entry, claimed once for the caller, or ``None`` after a wait.
-        """
+        """Reserve bytes and queue a read of ``key`` from the store (a demand miss). Returns the new
+        entry, claimed once for the caller, or ``None`` after a wait."""
         if key in self._core.write_backs:
             self._gate.wait()
             return None
@@ -428,13 +424,11 @@ class TierCache:
         return self._core.tier_for(tier, meta, key)
 
     def _put_in_tier(self, key: str, tensor: torch.Tensor, meta: Meta, target: TierName) -> None:
-        """Place a copy of ``tensor`` in ``target`` (lock held; may wait for room).
-
-        A cached value of ``key`` that cannot be updated in place is dropped only when the
-        put cannot fail any more, or the store has it: a dirty one whose room is needed is
-        written down first, as an eviction would, so that a put which then raises (a failed
-        write-back reported here, pins) leaves the key its value.
-        """
+        """Place a copy of ``tensor`` in ``target`` (lock held; may wait for room). A cached value
+        of ``key`` that cannot be updated in place is dropped only when the put cannot fail any
+        more, or the store has it: a dirty one whose room is needed is written down first, as an
+        eviction would, so that a put which then raises (a failed write-back reported here, pins)
+        leaves the key its value."""
         while True:
             self._core.raise_errors()
             entry = self._core.find(key)
@@ -465,11 +459,8 @@ class TierCache:
         return self._tiers[target].room(entry.key) + freed >= meta.footprint
 
     def _settle_key(self, key: str, *, allow_pinned: bool, drop: bool = True) -> bool:
-        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry
-        (unless ``drop`` is false: the caller takes it over).
-
-        Returns whether the key was cached.
-        """
+        """Wait until ``key`` has no I/O in flight; without ``allow_pinned`` drop its entry (unless
+        ``drop`` is false: the caller takes it over). Returns whether the key was cached."""
         cached = False
         while True:
             entry = self._core.find(key)

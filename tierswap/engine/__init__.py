@@ -12,7 +12,6 @@ from tierswap.engine._disk import (
     Disk,
     Region,
     StoreProtocol,
-    Target,
     nbytes_of,
     overlap,
 )
@@ -26,9 +25,7 @@ from tierswap.engine.policies import (
     EvictionPolicy,
     LookaheadPolicy,
     LRUPolicy,
-    ScheduledPolicy,
     make_policy,
-    policy_per_tier,
 )
 from tierswap.engine.stats import CacheStats, TierStats
 from tierswap.engine.transfer import (
@@ -56,10 +53,8 @@ __all__ = [
     "PassThrough",
     "Region",
     "ResidentSet",
-    "ScheduledPolicy",
     "Staged",
     "StoreProtocol",
-    "Target",
     "TierStats",
     "ToDevice",
     "ToHost",
@@ -72,7 +67,6 @@ __all__ = [
     "nbytes_of",
     "overlap",
     "place",
-    "policy_per_tier",
     "simulate",
     "to_host_all",
     "transfers_for",

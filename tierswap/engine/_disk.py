@@ -116,12 +116,10 @@ Then = Callable[[BaseException | None], None]
 class Disk:
     """One front end's reads and write-behinds on ``store``.
 
-    ``cv`` is the front end's condition: :attr:`in_flight` is read under it. A write's failure
-    is recorded under it before the write's ``then`` runs (without it: ``then`` takes it as it
+    ``cv`` is the front end's condition: :attr:`in_flight` is read under it. A write's failure is
+    recorded under it before the write's ``then`` runs (without it: ``then`` takes it as it
     needs), and the write stays in flight until ``then`` has returned. Reads and writes may be
-    started from any thread; :meth:`wait` and :meth:`raise_errors` from the front end's
-    callers.
-    """
+    started from any thread; :meth:`wait` and :meth:`raise_errors` from the front end's callers."""
 
     def __init__(self, store: StoreProtocol, cv: threading.Condition) -> None:
         self.store, self._cv = store, cv

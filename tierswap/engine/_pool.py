@@ -56,9 +56,7 @@ class BufferPool:
             if tensor is not None:
                 self.give(tensor)
 
-    def give(self, tensor: torch.Tensor, *, owned: bool = True) -> None:
-        if not owned:
-            return
+    def give(self, tensor: torch.Tensor) -> None:
         raw = base_bytes(tensor)
         if raw is None:
             return

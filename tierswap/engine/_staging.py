@@ -38,10 +38,10 @@ class DeviceStaging(Generic[K]):
 
     A job on the device holds its bytes in the device ``ledger`` from its copy in until its
     results have landed in host memory (or, kept resident there, until the front end releases
-    them). Copies issued ahead (:meth:`ahead`) wait, by job name, for the job to be taken; results
-    copied back into a host-resident job's tensors are *landing* until their copies complete, and
-    its next use waits for them (:meth:`wait_landing`). Called from the front end's thread; copy
-    completions (any thread) only release device bytes, under ``ledger.cv``."""
+    them). Copies issued ahead (:meth:`ahead`) wait, by job name, for the job to be taken;
+    results copied back into a host-resident job's tensors are *landing* until their copies
+    complete, and its next use waits for them (:meth:`wait_landing`). Called from the front end's
+    thread; copy completions (any thread) only release device bytes, under ``ledger.cv``."""
 
     def __init__(self, transfers: Transfers, ledger: Ledger) -> None:
         self.transfers = transfers
@@ -64,7 +64,7 @@ class DeviceStaging(Generic[K]):
         try:
             copies = {key: self.transfers.to_device(t) for key, t in host_tensors.items()}
         except BaseException:
-            self.release(nbytes)
+            self._ledger.release(nbytes)
             raise
         with self._ledger.cv:
             self._ledger.count_moved(into=nbytes_of(host_tensors))
@@ -108,7 +108,7 @@ class DeviceStaging(Generic[K]):
         """Give up ``staged`` (its work failed, or will not run): its device bytes go back once
         its copies have read the host buffers, which the caller may then reuse."""
         staged.read.exception()  # wait: the copies read the host buffers
-        self.release(staged.nbytes)
+        self._ledger.release(staged.nbytes)
 
     # ------------------------------------------------------------------ out
     def finished(self, staged: Staged[K], landed: Future[Any], moved: int) -> Future[Any]:
@@ -126,10 +126,6 @@ class DeviceStaging(Generic[K]):
 
         done.add_done_callback(release)
         return done
-
-    def release(self, nbytes: int) -> None:
-        """Give back device bytes reserved by :meth:`copy_in` (wakes waiters)."""
-        self._ledger.release(nbytes)
 
     # ------------------------------------------------------------------ host-resident results
     def land(self, name: Hashable, landed: Future[Any]) -> None:

@@ -46,8 +46,7 @@ class ToDevice:
 
     ``device_tensor`` holds the bytes once ``h2d_event`` is reached: pass this object to
     :meth:`Transfers.ready` before using it. ``done`` completes when the copy has read the host
-    buffer, which may then be reused.
-    """
+    buffer, which may then be reused."""
 
     device_tensor: torch.Tensor
     h2d_event: Any
@@ -68,12 +67,9 @@ class Transfers(Protocol):
 
     ``device`` is where :meth:`to_device` puts tensors; ``moves`` is ``False`` when host and
     device are the same memory (nothing is copied, every future is complete), which lets a front
-    end skip the device's bookkeeping.
-
-    Thread safety: :meth:`to_device`, :meth:`ready` and :meth:`to_host` are called from the
-    thread that queues the compute work (the ordering they give is that of its current stream);
-    the futures they return complete on any thread.
-    """
+    end skip the device's bookkeeping. Thread safety: :meth:`to_device`, :meth:`ready` and
+    :meth:`to_host` are called from the thread that queues the compute work (the ordering they
+    give is that of its current stream); the futures they return complete on any thread."""
 
     device: torch.device
     moves: bool
@@ -120,9 +116,8 @@ def _copy_now(value: torch.Tensor, host_tensor: torch.Tensor | None) -> ToHost:
 class PassThrough:
     """The transfer layer of a device that is host memory (the CPU): nothing moves.
 
-    :meth:`to_device` hands the host tensor back; :meth:`to_host` copies only when the work
-    put its result in other memory than the buffer to write (a new tensor), synchronously.
-    """
+    :meth:`to_device` hands the host tensor back; :meth:`to_host` copies only when the work put
+    its result in other memory than the buffer to write (a new tensor), synchronously."""
 
     moves = False
 
@@ -151,10 +146,9 @@ class _EventWaiter:
 
     One daemon thread waits for the events in the order they were queued (each copy stream
     records them in order, so waiting in order delays no future by more than the other stream's
-    copy). Callbacks of the futures (the write-behind starting a store write) run on it. It
-    holds ``keep`` (the source of a copy) until the event is reached, so that memory a copy
-    still reads is not freed.
-    """
+    copy). Callbacks of the futures (the write-behind starting a store write) run on it. It holds
+    ``keep`` (the source of a copy) until the event is reached, so that memory a copy still reads
+    is not freed."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -186,15 +180,12 @@ class _EventWaiter:
 class CudaTransfers:
     """Copies between pinned host memory and one GPU on two side streams, ordered by events.
 
-    Uploads run on one stream and downloads on another, so slice k+1's upload never queues
-    behind slice k's download (which waits for step k). Memory rules of the caching allocator:
-    an uploaded tensor is allocated on the upload stream and marked used by the compute stream
-    in :meth:`ready`; a downloaded tensor is marked used by the download stream, so neither is
-    reused before the streams that touch it are past it.
-
-    Thread safety: as :class:`Transfers`; one instance per GPU is shared
-    (:func:`transfers_for`).
-    """
+    Uploads run on one stream and downloads on another, so slice k+1's upload never queues behind
+    slice k's download (which waits for step k). Memory rules of the caching allocator: an
+    uploaded tensor is allocated on the upload stream and marked used by the compute stream in
+    :meth:`ready`; a downloaded tensor is marked used by the download stream, so neither is
+    reused before the streams that touch it are past it. Thread safety: as :class:`Transfers`;
+    one instance per GPU is shared (:func:`transfers_for`)."""
 
     moves = True
 

@@ -88,10 +88,3 @@ class JobBuffers:
             self._host.release(nbytes)
             self.trim_for(0)
             self._cv.notify_all()
-
-    def forget(self, host_tensors: Iterable[torch.Tensor]) -> None:
-        """A job stops being resident: its host tensors (views of pooled buffers or the work's
-        own) are offered to the pool. The caller holds the condition and releases the job's
-        bytes from its tier's ledger."""
-        for tensor in host_tensors:
-            self._pool.give(tensor, owned=False)

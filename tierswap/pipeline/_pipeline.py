@@ -142,12 +142,8 @@ class Pipeline:
             in_memory = job.name in self._reading or self.resident_tier(job.name) is not None
             if in_memory or self._disk.unsent_to(job.reads):
                 continue
-            sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
-            with self._cv:
-                claimed = self._buffers.claim_and_reserve(job.nbytes, sizes)
-            if claimed is None:
+            if not self._start_reads(job, wait=False):
                 return
-            self._start_reads(job, claimed)
 
     def run(self, jobs: Sequence[Job], work: Work) -> None:
         """Run every job through read-ahead, ``work`` and write-behind, in order.
@@ -193,13 +189,13 @@ class Pipeline:
         return tensors
 
     def _let_go(self, name: Hashable) -> None:
-        """Write held job ``name``'s tensors back, then return its bytes and buffers."""
+        """Write held job ``name``'s tensors back, then return its bytes (its buffers are freed,
+        not pooled: their bytes leave the ledger)."""
         tensors = self._kept[HOST][name]
         del self._held[name]
         self._disk.write(tensors)
         self.drain()
         with self._cv:
-            self._buffers.forget(tensors.values())
             self._kept[HOST].drop(name)
         self._ledgers[HOST].count_moved(out=nbytes_of(tensors))
 
@@ -237,10 +233,7 @@ class Pipeline:
         if stale is not None and stale.job != job:  # read ahead for other regions: redo
             self._drop_reading(job.name)
         if job.name not in self._reading:
-            sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
-            with self._cv:
-                claimed = self._make_room(job.nbytes, sizes)
-            self._start_reads(job, claimed)
+            self._start_reads(job, wait=True)
         reading = self._reading.pop(job.name)
         try:
             reading.done.result()
@@ -374,14 +367,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ budget and buffers
     def _make_room(self, nbytes: int, sizes: Sequence[int] = ()) -> list[torch.Tensor | None]:
-        """Reserve ``nbytes`` in the host ledger and claim idle buffers for reads of ``sizes``
-        bytes (``None`` where none is idle); the caller holds the condition.
-
-        Write-behinds free room as they end, each giving its buffers back for the next reads
-        to reuse. Without any in flight, what holds the room is resident jobs and the work
-        buffer (``BudgetError`` when they leave too little) and reads started ahead for this
-        pass, which are dropped, latest first.
-        """
+        """Reserve ``nbytes`` in the host ledger and claim idle buffers for reads of ``sizes`` bytes
+        (``None`` where none is idle); the caller holds the condition. Write-behinds free room as
+        they end, each giving its buffers back for the next reads to reuse. Without any in flight,
+        what holds the room is resident jobs and the work buffer (``BudgetError`` when they leave
+        too little) and reads started ahead for this pass, which are dropped, latest first."""
         while (claimed := self._buffers.claim_and_reserve(nbytes, list(sizes))) is None:
             resident = self._kept[HOST].nbytes + self._buffers.work_bytes
             if resident + nbytes > self.budget:
@@ -406,20 +396,27 @@ class Pipeline:
         """Bytes of the buffers ``job`` takes from the pool: one per read."""
         return [region.numel * self._dtype(region.key).itemsize for region in job.reads]
 
-    def _start_reads(self, job: Job, claimed: list[torch.Tensor | None]) -> None:
-        """Start ``job``'s reads (its bytes reserved) into the ``claimed`` idle buffers, or new
-        ones from the pool where ``None``."""
+    def _start_reads(self, job: Job, *, wait: bool) -> bool:
+        """Reserve ``job``'s bytes and start its reads into idle pooled buffers (or new ones);
+        ``wait`` for the room (:meth:`_make_room`), else take only room free now (whether the
+        reads started)."""
+        sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
+        with self._cv:
+            room = self._make_room if wait else self._buffers.claim_and_reserve
+            claimed = room(job.nbytes, sizes)
+        if claimed is None:
+            return False
         tensors: dict[Region, torch.Tensor] = {}
         try:
-            buffers = self._buffers.take_all(claimed, self._buffer_sizes(job))
-            for region, buf in zip(job.reads, buffers, strict=True):
-                dtype = self._dtype(region.key)
-                tensors[region] = buf[: region.numel * dtype.itemsize].view(dtype)
+            buffers = self._buffers.take_all(claimed, sizes)
+            for region, buf, nbytes in zip(job.reads, buffers, sizes, strict=True):
+                tensors[region] = buf[:nbytes].view(self._dtype(region.key))
             done = self._disk.read_all(tensors)  # after the writes it overlaps reach the store
         except BaseException:
             self._give_back(job, tensors)
             raise
         self._reading[job.name] = _Reading(job, tensors, done)
+        return True
 
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
@@ -513,8 +510,7 @@ class Pipeline:
         self.flush()
         with self._cv:
             self._buffers.drop_work()
-            for tensors in self._kept[HOST].clear():
-                self._buffers.forget(tensors.values())
+            self._kept[HOST].clear()  # freed, not pooled, as their bytes leave the ledger
             self._kept[DEVICE].clear()
             self._held.clear()
             self._dtypes.clear()
@@ -535,18 +531,6 @@ class Pipeline:
         buffer."""
         with self._cv:
             return self._ledgers[HOST].used
-
-    @property
-    def hits(self) -> int:
-        """Uses of jobs found resident (device or host tier)."""
-        with self._cv:
-            return self._ledgers[DEVICE].hits + self._ledgers[HOST].hits
-
-    @property
-    def misses(self) -> int:
-        """Uses of jobs read from the store."""
-        with self._cv:
-            return self._ledgers[HOST].misses
 
     def tier_stats(self) -> dict[TierName, TierStats]:
         """What each memory tier holds and served: used, budget, hits, misses, bytes in/out."""
