@@ -215,9 +215,10 @@ class PipelineMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledgers_hold(self) -> None:
-        for stats in self.pipeline.tier_stats().values():
-            assert 0 <= stats.used <= stats.budget
-            assert stats.peak <= stats.budget
+        stats = self.pipeline.stats()
+        for tier in (stats.device, stats.host):
+            assert 0 <= tier.used <= tier.budget
+            assert tier.peak <= tier.budget
 
     def teardown(self) -> None:
         try:

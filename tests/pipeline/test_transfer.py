@@ -128,10 +128,10 @@ def test_streamed_jobs_copy_ahead_and_write_after_landing(store, recorder) -> No
     assert kinds.count("write") == 6
     _assert_big(store, 2)
     assert torch.equal(store.get("b"), -2 * torch.arange(100.0))
-    stats = pipeline.tier_stats()
-    assert stats[DEVICE].used == 0  # every job's device bytes came back once it landed
-    assert stats[DEVICE].peak <= 5 * JOB
-    assert stats[DEVICE].bytes_in == stats[DEVICE].bytes_out == 4 * 8192 + 4 * 200
+    device = pipeline.stats().device
+    assert device.used == 0  # every job's device bytes came back once it landed
+    assert device.peak <= 5 * JOB
+    assert device.bytes_in == device.bytes_out == 4 * 8192 + 4 * 200
     assert pipeline.held == 0
 
 
@@ -143,7 +143,7 @@ def test_a_device_with_room_for_one_job_works_without_overlap(store, recorder) -
     _assert_ordered(recorder)
     assert copies_issued_ahead(recorder.log) == (0, 4)  # each copy waited for room
     _assert_big(store, 2)
-    assert pipeline.tier_stats()[DEVICE].peak == JOB
+    assert pipeline.stats().device.peak == JOB
 
 
 def test_resident_jobs_stay_on_the_device_or_land_in_host_memory(store, recorder) -> None:
@@ -164,9 +164,9 @@ def test_resident_jobs_stay_on_the_device_or_land_in_host_memory(store, recorder
     assert copies_issued_ahead(recorder.log)[0] >= 6  # all but the passes' first copies
     assert torch.equal(store.get("a"), 4 * torch.arange(100.0))
     _assert_big(store, 4)
-    assert pipeline.tier_stats()[DEVICE].used == JOB  # the device-resident job
+    assert pipeline.stats().device.used == JOB  # the device-resident job
     pipeline.evict()
-    assert pipeline.tier_stats()[DEVICE].used == 0
+    assert pipeline.stats().device.used == 0
     assert pipeline.held == 0
 
 
@@ -181,7 +181,7 @@ def test_failing_work_gives_back_the_device_and_host_bytes(store, recorder) -> N
     with pytest.raises(RuntimeError, match="work failed"):
         pipeline.run(jobs, broken)
     pipeline.release()  # the next job's copy, issued ahead, goes too
-    assert pipeline.tier_stats()[DEVICE].used == 0
+    assert pipeline.stats().device.used == 0
     assert pipeline.held == 0
     pipeline.run(jobs, _doubling(recorder))  # and the pipeline still works
     pipeline.drain()
@@ -203,7 +203,7 @@ def test_flushing_device_resident_jobs_counts_their_host_copies(store, recorder)
     jobs = _jobs({1: DEVICE, 2: DEVICE, 3: DEVICE})[1:]
     pipeline.run(jobs, _doubling(recorder))
     pipeline.drain()
-    before = pipeline.tier_stats()
+    before = pipeline.stats()
     held_at_copy: list[int] = []
     to_host = recorder.to_host
 
@@ -213,13 +213,13 @@ def test_flushing_device_resident_jobs_counts_their_host_copies(store, recorder)
 
     recorder.to_host = counted  # type: ignore[method-assign]
     pipeline.flush()
-    after = pipeline.tier_stats()
+    after = pipeline.stats()
     assert (
         held_at_copy == [JOB] * 3
     )  # each device-resident job's copy has its room in the host ledger
-    assert after[HOST].used == before[HOST].used  # the copies' buffers went back
-    assert after[HOST].peak <= after[HOST].budget == JOB
-    assert after[DEVICE].bytes_out - before[DEVICE].bytes_out == 3 * 2048 * 4
+    assert after.host.used == before.host.used  # the copies' buffers went back
+    assert after.host.peak <= after.host.budget == JOB
+    assert after.device.bytes_out - before.device.bytes_out == 3 * 2048 * 4
     _assert_big(store, 2)
     pipeline.evict()
     assert pipeline.held == 0

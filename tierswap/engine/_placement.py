@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tierswap.engine.belady import replay
 from tierswap.engine.policies import EvictionPolicy, ScheduledPolicy, policy_per_tier
 
 __all__ = ["place"]
@@ -46,24 +47,8 @@ def kept(
         return list(schedule)  # everything fits: nothing is ever evicted
     if isinstance(policy, ScheduledPolicy) and policy.schedule is None:
         policy.set_schedule(list(schedule))  # a lookahead policy need not learn what is known
-    held: dict[str, int] = {}
-    used = 0  # sum(held.values()), kept as items come and go
-    hits: list[str] = []
-    for cycle in range(2):
-        for key in schedule:
-            policy.access(key)
-            if key in held:
-                if cycle:
-                    hits.append(key)
-                continue
-            if sizes[key] > capacity:
-                continue  # never fits: streamed at every use
-            while used + sizes[key] > capacity:
-                victim = policy.victim(list(held), None)
-                if victim is None or victim not in held:
-                    break
-                used -= held.pop(victim)
-            if used + sizes[key] <= capacity:
-                held[key] = sizes[key]
-                used += sizes[key]
-    return hits
+    uses = replay(
+        schedule, sizes, capacity, 2,
+        use=lambda key, _: policy.access(key), victim=lambda held: policy.victim(held, None),
+    )  # fmt: skip
+    return [key for cycle, key, hit in uses if cycle and hit]

@@ -1,20 +1,21 @@
-"""Reference simulations of one cache tier on a cyclic schedule: Belady's optimum and LRU.
+"""Replays of one cache tier on a cyclic schedule, with demand paging: :func:`replay` (any
+victim rule; :func:`~tierswap.engine.place` replays a policy on it) and :func:`simulate`,
+Belady's optimum and LRU as references.
 
 Pure Python, so tests and ``bench/cache_policy.py`` can compare what the cache really read
-against an ideal (or an LRU) cache on the same schedule, with demand paging. With equal sizes
-Belady's rule (evict the item used furthest in the future) reads the fewest items any cache of
-that capacity can; with mixed sizes it is the classic heuristic."""
+against an ideal (or an LRU) cache on the same schedule. With equal sizes Belady's rule (evict
+the item used furthest in the future) reads the fewest items any cache of that capacity can;
+with mixed sizes it is the classic heuristic."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Literal
 
 from tierswap.errors import ConfigError
 
-__all__ = ["CycleReads", "simulate"]
+__all__ = ["CycleReads", "replay", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,24 +48,61 @@ def simulate(
         raise ConfigError(f"sizes lacks keys {missing[:5]}; give a size for every scheduled key")
     if policy not in ("belady", "lru"):
         raise ConfigError(f"policy={policy!r} must be 'belady' or 'lru'")
-    gaps = _next_use_gaps(schedule)
+    belady, gaps = policy == "belady", _next_use_gaps(schedule)
     first_use = {k: i for i, k in reversed(list(enumerate(schedule)))}
-    held: OrderedDict[str, float] = OrderedDict()  # key -> next use time (belady) or touch
-    for n, key in enumerate(resident):
-        held[key] = first_use.get(key, float("inf")) if policy == "belady" else n - len(resident)
-    out = []
-    for cycle in range(cycles):
-        reads = nbytes = 0
-        for i, key in enumerate(schedule):
-            now = cycle * len(schedule) + i
-            stamp = now + gaps[i] if policy == "belady" else now
-            missed = _step(
-                held, key, sizes=sizes, budget=budget, stamp=stamp, belady=policy == "belady"
-            )
-            reads += missed
-            nbytes += sizes[key] if missed else 0
-        out.append(CycleReads(reads, nbytes))
+    # each key's next use (Belady evicts the furthest) or latest use (LRU evicts the oldest)
+    stamps = {
+        k: first_use.get(k, float("inf")) if belady else n - len(resident)
+        for n, k in enumerate(resident)
+    }
+
+    def use(key: str, now: int) -> None:
+        stamps[key] = now + gaps[now % len(schedule)] if belady else now
+
+    def victim(held: Collection[str]) -> str:
+        return (max if belady else min)(held, key=stamps.__getitem__)
+
+    start = {key: sizes[key] for key in resident}
+    out = [CycleReads(0, 0) for _ in range(cycles)]
+    for cycle, key, hit in replay(
+        schedule, sizes, budget, cycles, use=use, victim=victim, held=start
+    ):
+        if not hit:
+            out[cycle] = CycleReads(out[cycle].reads + 1, out[cycle].bytes + sizes[key])
     return out
+
+
+def replay(
+    schedule: Sequence[str],
+    sizes: Mapping[str, int],
+    capacity: int,
+    cycles: int,
+    *,
+    use: Callable[[str, int], None],
+    victim: Callable[[Collection[str]], str | None],
+    held: Mapping[str, int] | None = None,
+) -> Iterator[tuple[int, str, bool]]:
+    """Demand paging of ``cycles`` repetitions of ``schedule`` on ``capacity`` bytes holding
+    ``held`` (key -> size) at first: ``(cycle, key, hit)`` for each use. ``use(key, now)`` hears
+    of each use first; on a miss, ``victim(held keys)`` names what leaves to make room
+    (``None``: nothing may, and the key is not kept). Items larger than ``capacity`` are never
+    kept."""
+    kept = dict(held or {})
+    used = sum(kept.values())
+    for cycle in range(cycles):
+        for i, key in enumerate(schedule):
+            use(key, cycle * len(schedule) + i)
+            hit = key in kept
+            if not hit and sizes[key] <= capacity:
+                while used + sizes[key] > capacity:
+                    chosen = victim(list(kept))
+                    if chosen is None or chosen not in kept:
+                        break
+                    used -= kept.pop(chosen)
+                if used + sizes[key] <= capacity:
+                    kept[key] = sizes[key]
+                    used += sizes[key]
+            yield cycle, key, hit
 
 
 def _next_use_gaps(schedule: Sequence[str]) -> list[int]:
@@ -78,29 +116,3 @@ def _next_use_gaps(schedule: Sequence[str]) -> list[int]:
             gaps[i] = last[key] - i
         last[key] = i
     return gaps
-
-
-def _step(
-    resident: OrderedDict[str, float],
-    key: str,
-    *,
-    sizes: Mapping[str, int],
-    budget: int,
-    stamp: float,
-    belady: bool,
-) -> bool:
-    """Use ``key``; return True on a miss. ``stamp`` is the key's next use (Belady, which evicts
-    the largest) or the time of this use (LRU, which evicts the oldest in order)."""
-    hit = key in resident
-    fits = sizes[key] <= budget
-    if not hit and fits:
-        used = sum(sizes[k] for k in resident)
-        while used + sizes[key] > budget:
-            victim = max(resident, key=resident.__getitem__) if belady else next(iter(resident))
-            used -= sizes[victim]
-            del resident[victim]
-    if hit or fits:
-        resident[key] = stamp
-        if not belady:
-            resident.move_to_end(key)
-    return not hit

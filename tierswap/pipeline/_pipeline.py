@@ -43,7 +43,6 @@ from tierswap.engine import (
     ResidentSet,
     Staged,
     StoreProtocol,
-    TierStats,
     Transfers,
     nbytes_of,
     to_host_all,
@@ -114,8 +113,9 @@ class Pipeline:
         }
         self._device = device if device is not None else torch.device("cpu")
         self._transfers = transfers if transfers is not None else transfers_for(self._device)
+        # copies to the device: of jobs kept there, and with work_on_device of every job's
+        # tensors for its work (else the work gets host tensors, or resident device ones)
         self._staging: DeviceStaging[Region] = DeviceStaging(self._transfers, self._ledgers[DEVICE])
-        # else the work gets host tensors (or resident device ones), as they are
         self._work_on_device = work_on_device and self._transfers.moves
         self._reading: dict[Hashable, _Reading] = {}
         self._kept: dict[TierName, ResidentSet[Hashable, dict[Region, torch.Tensor]]] = {
@@ -532,14 +532,9 @@ class Pipeline:
         with self._cv:
             return self._ledgers[HOST].used
 
-    def tier_stats(self) -> dict[TierName, TierStats]:
-        """What each memory tier holds and served: used, budget, hits, misses, bytes in/out."""
-        return {tier: ledger.stats() for tier, ledger in self._ledgers.items()}
-
     def stats(self) -> CacheStats:
-        """The memory tiers (:meth:`tier_stats`), the store's traffic since the pipeline was
-        made and the time spent waiting for reads: the shape of :meth:`TierCache.stats`."""
-        ledgers = self._ledgers
-        return CacheStats.of(
-            ledgers[DEVICE], ledgers[HOST], self._disk.traffic(), self.stall_seconds
-        )
+        """Each memory tier (used, budget, peak, hits, misses, bytes in and out), the store's
+        traffic since the pipeline was made and the time spent waiting for reads: the shape of
+        :meth:`TierCache.stats`."""
+        device, host = self._ledgers[DEVICE], self._ledgers[HOST]
+        return CacheStats.of(device, host, self._disk.traffic(), self.stall_seconds)
