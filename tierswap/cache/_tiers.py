@@ -259,11 +259,8 @@ class Tier:
         return held == self.resident and total == self.ledger.used
 
     def __repr__(self) -> str:
-        return (
-            f"Tier({self.name}, used={self.ledger.used}, budget={self.ledger.budget}, "
-            f"resident={self.resident}, writing={self.writing}, earmarks={self.earmarks}, "
-            f"promised={self.promised}, demand_waiting={self.demand_waiting})"
-        )
+        books = ("used", "budget", "resident", "writing", "earmarks", "promised", "demand_waiting")
+        return f"Tier({self.name}, {', '.join(f'{k}={getattr(self, k)}' for k in books)})"
 
     # ------------------------------------------------------------ choosing victims
     def unsettled(self) -> bool:

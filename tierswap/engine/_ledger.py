@@ -5,6 +5,7 @@ Private to :mod:`tierswap.engine`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -102,14 +103,8 @@ class Ledger:
         self.peak = max(self.peak, used)
 
     def stats(self) -> TierStats:
-        """What the tier holds and served, now."""
+        """What the tier holds and served, now (the stats' fields are the ledger's own)."""
         with self.cv:
             return TierStats(
-                hits=self.hits,
-                misses=self.misses,
-                used=self.used,
-                budget=self.budget,
-                bytes_in=self.bytes_in,
-                bytes_out=self.bytes_out,
-                peak=self.peak,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(TierStats)}
             )

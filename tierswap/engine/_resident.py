@@ -6,8 +6,8 @@ Private to :mod:`tierswap.engine`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, ItemsView, Iterator, ValuesView
-from typing import Generic, TypeVar
+from collections.abc import Hashable, Iterator, Mapping
+from typing import TypeVar
 
 from tierswap.engine._ledger import Ledger
 
@@ -17,7 +17,7 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
-class ResidentSet(Generic[K, V]):
+class ResidentSet(Mapping[K, V]):
     """Items kept in one tier (``ledger``'s), each with the bytes reserved for it before it joins
     (:meth:`keep`). An item leaves with its bytes released (:meth:`drop`) or still reserved
     (:meth:`leave`: the caller moves them on, e.g. to a write-back that frees them once the store
@@ -53,23 +53,11 @@ class ResidentSet(Generic[K, V]):
         """Drop every item (bytes released); their values."""
         return [self.drop(key) for key in list(self._values)]
 
-    def get(self, key: K) -> V | None:
-        return self._values.get(key)
-
     def __getitem__(self, key: K) -> V:
         return self._values[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._values
 
     def __iter__(self) -> Iterator[K]:
         return iter(self._values)
 
     def __len__(self) -> int:
         return len(self._values)
-
-    def values(self) -> ValuesView[V]:
-        return self._values.values()
-
-    def items(self) -> ItemsView[K, V]:
-        return self._values.items()

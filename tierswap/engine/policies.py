@@ -34,49 +34,36 @@ NEVER = float("inf")
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """What :class:`~tierswap.TierCache` needs from a policy (five methods).
+    """What :class:`~tierswap.TierCache` needs from a policy (five methods)."""
 
-    ``access(key)``
-        The caller used ``key`` (``get``, ``put``, ``pinned``). Repeats of the same key in a row
-        count once.
-    ``admit(key)``
-        ``key`` is about to be read in ahead of use (a prefetch).
-    ``forget(key)``
-        ``key`` was deleted; drop what is known about it.
-    ``victim(candidates, incoming) -> str | None``
-        The key among ``candidates`` (resident keys of one tier) to evict. ``incoming=None``
-        means a demand miss and must name one; otherwise ``incoming`` is a key being prefetched
-        (or moved down) and ``None`` means "wait: every choice would evict something needed
-        before ``incoming``".
-    ``upcoming() -> Iterable[str]``
-        Keys expected next after the latest access, soonest first (may be empty, may be lazy).
-    """
+    def access(self, key: str) -> None:
+        """The caller used ``key`` (``get``, ``put``, ``pinned``); repeats in a row count once."""
 
-    def access(self, key: str) -> None: ...
+    def admit(self, key: str) -> None:
+        """``key`` is about to be read in ahead of use (a prefetch)."""
 
-    def admit(self, key: str) -> None: ...
+    def forget(self, key: str) -> None:
+        """``key`` was deleted; drop what is known about it."""
 
-    def forget(self, key: str) -> None: ...
+    def victim(self, candidates: Collection[str], incoming: str | None) -> str | None:
+        """The key among ``candidates`` (resident keys of one tier) to evict. ``incoming=None``
+        is a demand miss and must name one; else ``incoming`` is a key being prefetched (or
+        moved down) and ``None`` means "wait: every choice evicts something needed before it"."""
 
-    def victim(self, candidates: Collection[str], incoming: str | None) -> str | None: ...
-
-    def upcoming(self) -> Iterable[str]: ...
+    def upcoming(self) -> Iterable[str]:
+        """Keys expected next after the latest access, soonest first (may be empty or lazy)."""
 
 
 @runtime_checkable
 class ScheduledPolicy(EvictionPolicy, Protocol):
-    """A policy that can be told the schedule ahead instead of learning it (lookahead).
-
-    ``schedule``
-        The schedule it holds, or ``None`` while it has none.
-    ``set_schedule(schedule)``
-        Replace it: the keys in the order they will be used, one cycle.
-    """
+    """A policy that can be told the schedule ahead instead of learning it (lookahead)."""
 
     @property
-    def schedule(self) -> list[str] | None: ...
+    def schedule(self) -> list[str] | None:
+        """The schedule it holds, or ``None`` while it has none."""
 
-    def set_schedule(self, schedule: Sequence[str]) -> None: ...
+    def set_schedule(self, schedule: Sequence[str]) -> None:
+        """Replace it: the keys in the order they will be used, one cycle."""
 
 
 class LRUPolicy:
