@@ -189,8 +189,7 @@ class Pipeline:
         return tensors
 
     def _let_go(self, name: Hashable) -> None:
-        """Write held job ``name``'s tensors back, then return its bytes (its buffers are freed,
-        not pooled: their bytes leave the ledger)."""
+        """Write held job ``name``'s tensors back, then free them and return its bytes."""
         tensors = self._kept[HOST][name]
         del self._held[name]
         self._disk.write(tensors)
@@ -478,12 +477,13 @@ class Pipeline:
         return self._disk.write(writes, keep_errors=False)
 
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
-        """Write ``writes`` (on the host or the device) behind the caller, from copies in
-        pooled host buffers reserved in the host budget (waiting for write-behinds to free the
-        room) and given back once the write has ended: the caller may change or drop its
-        tensors when this returns. A later read of an overlapping region waits for the write;
-        a failure is raised by :meth:`run` or :meth:`drain`, as a job's write-behind is."""
-        sizes = {region: t.numel() * t.element_size() for region, t in writes.items()}
+        """Write ``writes`` (on the host or the device) behind the caller, from copies (cast to
+        the stored arrays' dtypes) in pooled host buffers reserved in the host budget, given
+        back once the write has ended: the caller may change or drop its tensors when this
+        returns. A later read of an overlapping region waits for the write; a failure is
+        raised by :meth:`run` or :meth:`drain`, as a job's write-behind is."""
+        dtypes = {region: self._dtype(region.key) for region in writes}  # may ask the store
+        sizes = {region: region.numel * dtypes[region].itemsize for region in writes}
         nbytes = sum(map(footprint, sizes.values()))
         if not nbytes:
             return
@@ -493,8 +493,8 @@ class Pipeline:
         try:
             buffers = self._buffers.take_all(claimed, list(sizes.values()))
             host = {
-                region: buf[: sizes[region]].view(tensor.dtype)
-                for (region, tensor), buf in zip(writes.items(), buffers, strict=True)
+                region: buf[: sizes[region]].view(dtypes[region])
+                for region, buf in zip(writes, buffers, strict=True)
             }
             on_host, landed = to_host_all(self._transfers, host, writes)
         except BaseException:

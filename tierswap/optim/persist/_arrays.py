@@ -44,6 +44,14 @@ def master_of(slot: Slot, values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", master_dtype(slot.param))
 
 
+def _master_source(slot: Slot, values: torch.Tensor) -> torch.Tensor:
+    """What the write of a slot's master copies (and casts) into its reserved buffer: the
+    parameter ``values`` (1-D), or, for a remainder, zeros that take no memory."""
+    if slot.remainder:
+        return torch.zeros((), dtype=torch.int16).expand(values.numel())
+    return values.detach()
+
+
 def create_arrays(
     parts: OptimizerParts, slots: list[Slot], *, unwritten: Iterable[Slot] = ()
 ) -> None:
@@ -61,17 +69,8 @@ def create_arrays(
 
 def write_master(parts: OptimizerParts, slot: Slot) -> None:
     """Write the master of a streamed ``slot`` from its parameter's values (and the values
-    themselves, beside a remainder), whole: every segment, in one batch of region writes."""
-    values = flat(slot.param)
-    writes: dict[Region, torch.Tensor] = {}
-    for piece in parts.layout.slices:
-        for seg in piece.segments:
-            if seg.slot is slot:
-                part = values[seg.start : seg.stop]
-                writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, part)
-                if slot.persists_param:
-                    writes[Region(slot.param_key, seg.start, seg.stop)] = part.detach().cpu()
-    parts.backend.put_regions(writes)
+    themselves, beside a remainder), whole (:func:`write_params`)."""
+    write_params(parts, [slot], masters=True)
 
 
 def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:
@@ -83,22 +82,35 @@ def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:
 
 
 def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> None:
-    """Write ``slots``' params that have no master (the committed copy) and, with
-    ``masters``, the masters of the others (cast from the params); a slice at a time, so
-    the transient stays within one slice."""
+    """Write ``slots``' params that the store keeps (no master, or beside a remainder) and,
+    with ``masters``, their masters (cast from the params), and wait; a slice at a time. A
+    param is written straight from its memory (no copy on the CPU: a commit may find the host
+    budget full of resident slices); a master is cast into pooled buffers reserved in the host
+    budget (the pipeline's write-behind), so no transient lies outside the ledger."""
     chosen = {slot.index for slot in slots}
-    for piece in parts.layout.slices:
-        writes: dict[Region, torch.Tensor] = {}
-        for seg in piece.segments:
-            slot = seg.slot
-            if slot.index not in chosen:
-                continue
-            values = flat(slot.param)[seg.start : seg.stop]
-            if slot.has_master and masters:
-                writes[Region(slot.master_key, seg.start, seg.stop)] = master_of(slot, values)
-            if slot.persists_param:
-                writes[Region(slot.param_key, seg.start, seg.stop)] = values.detach().cpu()
-        parts.backend.put_regions(writes)
+    pipeline = parts.backend.pipeline
+    direct = []
+    try:
+        for piece in parts.layout.slices:
+            cast: dict[Region, torch.Tensor] = {}
+            params: dict[Region, torch.Tensor] = {}
+            for seg in piece.segments:
+                slot, start, stop = seg.slot, seg.start, seg.stop
+                if slot.index not in chosen:
+                    continue
+                values = flat(slot.param)[start:stop].detach()
+                if slot.has_master and masters:
+                    cast[Region(slot.master_key, start, stop)] = _master_source(slot, values)
+                if slot.persists_param:
+                    params[Region(slot.param_key, start, stop)] = values
+            pipeline.write_behind(cast)
+            direct.append(pipeline.write(params))
+        pipeline.drain()
+    finally:
+        for written in direct:
+            written.exception()  # wait: the writes read the parameters' memory
+    for written in direct:
+        written.result()
 
 
 def restore_params(parts: OptimizerParts, segments: Iterable[Segment]) -> None:
