@@ -42,6 +42,18 @@ def test_the_cpu_passes_tensors_through() -> None:
     assert transfers.to_host(host).host_tensor.data_ptr() == host.data_ptr()
 
 
+def test_a_copy_back_casts_into_a_buffer_of_another_dtype_even_when_empty() -> None:
+    """The buffer to write takes the stored array's dtype: a bf16 value goes into an fp32
+    buffer cast, also when both are empty (empty tensors share the null data pointer)."""
+    transfers = transfers_for(torch.device("cpu"))
+    value = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    buffer = torch.empty(2)
+    assert transfers.to_host(value, buffer).host_tensor is buffer
+    assert torch.equal(buffer, torch.tensor([1.5, -2.0]))
+    empty = transfers.to_host(torch.empty(0, dtype=torch.bfloat16), torch.empty(0))
+    assert empty.host_tensor.dtype == torch.float32
+
+
 def test_the_stand_in_copies_late_and_logs_in_order() -> None:
     transfers = RecordingTransfers(delay=0.01)
     try:

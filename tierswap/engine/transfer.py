@@ -101,7 +101,8 @@ def completed() -> Future[None]:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.device == b.device and a.data_ptr() == b.data_ptr())
+    """Whether ``b`` already holds ``a`` (else a copy, which may also cast, is needed)."""
+    return a is b or (a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr())
 
 
 def _copy_now(value: torch.Tensor, host_tensor: torch.Tensor | None) -> ToHost:
