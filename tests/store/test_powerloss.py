@@ -64,7 +64,11 @@ def test_training_run_recovers_from_every_crash_state(tmp_path) -> None:
     _all_recover(rec, report, "optimizer")
 
 
-@pytest.mark.parametrize("scenario", ["store", "buffered"])
+# the buffered variants of the next two take 35 s together: the slow suite runs them
+_STORE_FAST = ["store", pytest.param("buffered", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("scenario", _STORE_FAST)
 def test_a_power_cut_during_recovery_recovers_too(
     recorded: Callable[[str, int], Recording], scenario: str
 ) -> None:
@@ -79,7 +83,7 @@ def test_a_power_cut_during_recovery_recovers_too(
     assert report.states >= 20
 
 
-@pytest.mark.parametrize("scenario", ["store", "buffered"])
+@pytest.mark.parametrize("scenario", _STORE_FAST)
 def test_harness_finds_a_rename_before_its_data_barrier(tmp_path, scenario: str) -> None:
     """A store variant whose journal is renamed into place before its data is synced: some
     crash states leave a journal of no bytes under the committed name, and the harness says so."""
