@@ -36,6 +36,7 @@ from tierswap.optim.formats import MasterFormat, StatePrecision
 from tierswap.optim.plan import (
     Slice,
     check_class,
+    check_first_steps,
     check_unique,
     own_defaults,
 )
@@ -142,9 +143,9 @@ class SwapOptimizer(Assembly):
         ``model.state_dict()`` reads them; :meth:`close` gives them back to the model (those
         built on the meta device go back to it, for a model too large for memory). Bitwise
         equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
-        bytes an element. So far: the step runs after backward (no speculation),
-        ``add_param_group`` is refused, and a parameter must be used inside the forward of a
-        module that owns it.
+        bytes an element. A param group added later streams too. So far: the step runs after
+        backward (no speculation), and a parameter must be used inside the forward of a module
+        that owns it.
         ``docs/optimizer.md``, "Streaming parameters".
     param_init_fn:
         With ``offload_parameters``, for a model built on the meta device (too large to build
@@ -234,14 +235,17 @@ class SwapOptimizer(Assembly):
         self._settle()
         if self._config.resume and self._state.steps:
             raise ConfigError("add_param_group after resuming a run is not supported")
-        if self._config.offload_parameters:
-            raise ConfigError("add_param_group with offload_parameters=True is not supported")
         super().add_param_group(param_group)
         layout = self._layout
         try:
             added = self._new_slots(self.param_groups[-1], len(layout.slots))
+            if self._stream is not None:  # its modules' hooks are what read a streamed one
+                self._stream.check_owned(added)
             check_unique([slot.prefix for slot in layout.slots + added])
             new_layout = self._plan(layout.slots + added, layout.host_budget, layout.chunk_bytes)
+            if self.compute_device.type == "cpu":  # (else work tensors count in each job)
+                fresh = {slot.index for slot in added}
+                check_first_steps(new_layout.slices, fresh, new_layout.host_budget, "host_budget")
         except BaseException:  # (the new group does not fit the budget): leave things as they were
             del self._inners[len(self.param_groups) - 1 :]
             self.param_groups.pop()
@@ -249,6 +253,8 @@ class SwapOptimizer(Assembly):
         self._backend.pipeline.evict()
         self._parts.layout = new_layout
         persist.create_arrays(self._parts, added)
+        if self._stream is not None:  # the store holds their values now
+            self._stream.adopt(added)
         remove_grad_hooks(self._hook_handles)
         self._hook_handles = register_grad_hooks(self, [s.param for s in self._layout.slots])
 

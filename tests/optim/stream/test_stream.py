@@ -360,9 +360,69 @@ def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
         SwapOptimizer(viewed, torch.optim.AdamW, offload_parameters=True)
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
     opt = SwapOptimizer(model, torch.optim.AdamW, swap_dir=tmp_path, offload_parameters=True)
-    with pytest.raises(ConfigError, match="add_param_group"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    stray = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match="not parameters of the model"):
+        opt.add_param_group({"params": [("stray", stray)]})
+    assert len(opt.param_groups) == 1  # the refused group left nothing behind
+    assert stray.untyped_storage().nbytes() == 12
     opt.close()
+
+
+@pytest.mark.parametrize("host_budget", [24576, None], ids=["streamed", "resident"])
+def test_a_param_group_added_later_streams_and_trains_bitwise(
+    tmp_path: Path, host_budget: int | None
+) -> None:
+    """A model's head joins the optimizer after two steps (as when layers are unfrozen): its
+    parameters stream from then on, hold no memory between uses, and the run stays bitwise
+    torch's AdamW with the same groups."""
+    ref, model = _pair()
+    body = ["inp", "norm", "mid"]
+    groups = lambda net: [p for n, p in net.named_parameters() if n.split(".")[0] in body]  # noqa: E731
+    heads = lambda net: [p for n, p in net.named_parameters() if n.split(".")[0] not in body]  # noqa: E731
+    plain = torch.optim.AdamW(groups(ref), **KWARGS)
+    opt = SwapOptimizer(
+        groups(model), torch.optim.AdamW, model=model, offload_parameters=True,
+        swap_dir=tmp_path, host_budget=host_budget, **KWARGS,
+    )  # fmt: skip
+    for step in range(2):
+        _train(ref, plain, step, 1.0)
+        _train(model, opt, step, 1.0)
+    assert all(p.untyped_storage().nbytes() > 0 for p in heads(model))  # not streamed yet
+    plain.add_param_group({"params": heads(ref), "lr": 1e-3})
+    opt.add_param_group({"params": heads(model), "lr": 1e-3})
+    assert _held(model) == 0  # the added parameters left memory too
+    for step in range(2, 5):
+        _train(ref, plain, step, 1.0)
+        _train(model, opt, step, 1.0)
+        assert _held(model) == 0
+    assert opt.tier_stats()["parameters"]["streamed"] == len(list(model.parameters()))
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_an_added_group_whose_first_step_does_not_fit_is_refused_whole(tmp_path: Path) -> None:
+    """At 20 KiB a 1024-element slice's first step (20 KiB) cannot run beside the 4 KiB work
+    buffer the stepped slices share: add_param_group refuses it and changes nothing."""
+    ref, model = _pair()
+    heads = [p for n, p in model.named_parameters() if n.split(".")[0] in ("out", "scale")]
+    body = [p for p in model.parameters() if all(p is not h for h in heads)]
+    plain = torch.optim.AdamW(
+        [p for n, p in ref.named_parameters() if not n.startswith(("out", "scale"))], **KWARGS
+    )
+    opt = SwapOptimizer(
+        body, torch.optim.AdamW, model=model, offload_parameters=True, swap_dir=tmp_path,
+        host_budget=20480, **KWARGS,
+    )  # fmt: skip
+    for step in range(3):
+        if step == 2:
+            with pytest.raises(ConfigError, match="added group"):
+                opt.add_param_group({"params": heads, "lr": 1e-3})
+            assert len(opt.param_groups) == 1
+            assert all(p.untyped_storage().nbytes() > 0 for p in heads)  # still the model's
+        _train(ref, plain, step, 1.0)
+        _train(model, opt, step, 1.0)
+    opt.close()
+    assert_same_params(ref, model)
 
 
 def test_gradients_live_in_the_swap_space_and_clipping_reads_them_there(tmp_path: Path) -> None:

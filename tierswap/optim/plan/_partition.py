@@ -498,3 +498,21 @@ def check_budget(slices: Sequence[Slice], budget: int, name: str) -> None:
         f"largest slice; the minimum is {format_size(largest)} ({largest} bytes): "
         f"raise {name} to at least {largest}"
     )
+
+
+def check_first_steps(slices: Sequence[Slice], fresh: set[int], budget: int, name: str) -> None:
+    """Raise :class:`ConfigError` when the first step of a slice holding a ``fresh`` slot (a
+    param group added after steps) cannot fit ``budget`` beside the work buffer that the
+    slices with state share: that pass counts its own work tensors (the step's job of it)."""
+
+    def touches(piece: Slice) -> bool:
+        return any(seg.slot.index in fresh for seg in piece.segments)
+
+    work = max((p.scratch_bytes for p in slices if not touches(p)), default=0)
+    need = max((p.working_set for p in slices if touches(p)), default=0) + work
+    if need > budget:
+        raise ConfigError(
+            f"{name}={format_size(budget)} ({budget} bytes) cannot step the added group's "
+            f"parameters a first time beside the work buffer of the others; the minimum is "
+            f"{format_size(need)} ({need} bytes): raise {name} to at least {need}"
+        )

@@ -34,6 +34,9 @@ each module's parameters their values while it loads and writes what was loaded 
 masters. A ``master="remainder"`` slot's values are its stored bf16 parameter (2 bytes an
 element), beside the remainder.
 
+A param group added later (``add_param_group``) streams from then on
+(:meth:`ParameterStream.adopt`).
+
 Not yet: the parameters in use come on top of ``device_budget``, and a parameter used outside
 the forward of the modules that own it is not read for that use.
 """
@@ -79,17 +82,8 @@ class ParameterStream:
         self.parts = parts
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
         self._meta_born = set(meta_born)
-        slot_of = parts.layout.slot_of
         #: Each module that owns streamed parameters, with their slot indices.
-        self._modules: list[tuple[torch.nn.Module, list[int]]] = []
-        for module in model.modules():
-            owned = [
-                slot_of[id(p)].index
-                for p in module.parameters(recurse=False)
-                if id(p) in slot_of and slot_of[id(p)].streamed
-            ]
-            if owned:
-                self._modules.append((module, owned))
+        self._modules = _owners(model, parts.layout.slot_of)
         self._model = weakref.ref(model)
         self._live: set[int] = set()  # slots whose parameter holds its values now
         self._users: Counter[int] = Counter()  # forwards running that use each slot
@@ -122,6 +116,34 @@ class ParameterStream:
         """Free every streamed parameter (the store holds its master) and hook the modules."""
         for index in {i for _, owned in self._modules for i in owned}:
             free(self._slot(index).param)
+        self._hook()
+
+    def adopt(self, slots: list[Slot]) -> None:
+        """Stream the parameters of ``slots`` too (a param group added; the store holds their
+        masters now): free them and hook the modules anew. The positions of the modules
+        change, so the order of uses is recorded again over the next iteration, and the
+        parameters kept between uses are freed meanwhile (the store has their values)."""
+        model = self._model()
+        if model is None:
+            return
+        self._unhook()
+        self.drop_ahead()
+        self._free(self._kept)
+        self._kept.clear()
+        self._modules = _owners(model, self.parts.layout.slot_of)
+        self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
+        for slot in slots:
+            free(slot.param)
+        self._hook()
+
+    def check_owned(self, slots: list[Slot]) -> None:
+        """Raise ``ConfigError`` unless every parameter of ``slots`` is the model's."""
+        model = self._model()
+        if model is not None:
+            check_owned(model, slots)
+
+    def _hook(self) -> None:
+        """Hook each module that owns streamed parameters, and the model's state dict."""
         ref = weakref.ref(self)
         for position, (module, _) in enumerate(self._modules):
             self._handles += [
@@ -149,15 +171,18 @@ class ParameterStream:
         again, as before the optimizer took it), except those built on the meta device: a
         model that did not fit in memory returns to the meta device (its values stay in the
         swap folder, from which a run resumes)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._unhook()
         self.drop_ahead()
         for _, owned in self._modules:
             self._fetch([i for i in owned if i not in self._meta_born])
         for index in self._meta_born:
             self._live.discard(index)
             to_meta(self._slot(index).param)
+
+    def _unhook(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     # -- the hooks' events -------------------------------------------------------------------
     def before_forward(self, position: int) -> None:
@@ -527,6 +552,22 @@ def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any
     stream = ref()
     if stream is not None:
         stream.before_backward(position)
+
+
+def _owners(
+    model: torch.nn.Module, slot_of: dict[int, Slot]
+) -> list[tuple[torch.nn.Module, list[int]]]:
+    """Each module of ``model`` that owns streamed parameters, with their slot indices."""
+    owners = []
+    for module in model.modules():
+        owned = [
+            slot_of[id(p)].index
+            for p in module.parameters(recurse=False)
+            if id(p) in slot_of and slot_of[id(p)].streamed
+        ]
+        if owned:
+            owners.append((module, owned))
+    return owners
 
 
 def check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
