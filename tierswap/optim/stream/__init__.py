@@ -1,8 +1,9 @@
 """Parameter streaming (``offload_parameters=True``): the model's parameters hold memory only
 while their modules run, and the swap space keeps their values.
 
-- ``_stream``: :class:`ParameterStream`, the module hooks and the reads through the
+- ``_stream``: :class:`ParameterStream`, what the hooks' events do and the reads through the
   optimizer's pipeline;
+- ``_hooks``: the module hooks, which hold the stream weakly;
 - ``_storage``: freeing and refilling a parameter's memory in place;
 - ``_placeholder``: :class:`OffloadedGradient`, what ``param.grad`` holds while the gradient
   lives in the swap space;

@@ -57,6 +57,7 @@ from tierswap.errors import ConfigError
 from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import Segment, Slot, master_dtype
+from tierswap.optim.stream._hooks import before_backward, hook_modules
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
 from tierswap.pipeline import Job, Region
@@ -144,27 +145,7 @@ class ParameterStream:
 
     def _hook(self) -> None:
         """Hook each module that owns streamed parameters, and the model's state dict."""
-        ref = weakref.ref(self)
-        for position, (module, _) in enumerate(self._modules):
-            self._handles += [
-                module.register_forward_pre_hook(functools.partial(_before, ref, position)),
-                module.register_forward_hook(
-                    functools.partial(_after, ref, position), always_call=True
-                ),
-                module.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(_before_load, ref, position)
-                ),
-                module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(_after_load, ref, position)
-                ),
-            ]
-        model = self._model()
-        if model is not None:
-            self._handles.append(
-                model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(_filled_state_dict, ref)
-                )
-            )
+        self._handles = hook_modules(self, [module for module, _ in self._modules], self._model())
 
     def close(self) -> None:
         """Remove the hooks and read every parameter back into its memory (the model is whole
@@ -204,7 +185,7 @@ class ParameterStream:
             ref = weakref.ref(self)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
-                    hook = functools.partial(_before_backward, ref, position)
+                    hook = functools.partial(before_backward, ref, position)
                     tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def before_backward(self, position: int) -> None:
@@ -533,27 +514,6 @@ def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
     return norm
 
 
-# The hooks hold the stream weakly: a dropped optimizer leaves nothing behind in the model.
-def _before(ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.before_forward(position)
-
-
-def _after(
-    ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any, output: Any
-) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.after_forward(position, output)
-
-
-def _before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.before_backward(position)
-
-
 def _owners(
     model: torch.nn.Module, slot_of: dict[int, Slot]
 ) -> list[tuple[torch.nn.Module, list[int]]]:
@@ -580,31 +540,3 @@ def check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
             f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
             "with offload_parameters=True every parameter must be one (its module reads it)"
         )
-
-
-def _before_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.before_load(position)
-
-
-def _after_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.after_load(position)
-
-
-def _filled_state_dict(
-    ref: weakref.ref[ParameterStream],
-    module: torch.nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-) -> None:
-    """``model.state_dict()``: the streamed parameters' entries as CPU copies of their values."""
-    stream = ref()
-    if stream is None:
-        return
-    for name, index in stream.names_of(module).items():
-        if prefix + name in state_dict:
-            state_dict[prefix + name] = stream.read_values(index)
