@@ -38,7 +38,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,7 @@ from _peak import current_rss, peak_rss
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _child import add_child_arguments, spawn  # noqa: E402
 from _fio import required_fio_bandwidth  # noqa: E402
 
 from tierswap.cli import bench_folder  # noqa: E402
@@ -211,17 +211,12 @@ def _progress(line: str) -> None:
 
 
 def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", role, "--swap-dir", str(folder / role),
-               "--layers", str(args.layers), "--width", str(args.width),
-               "--steps", str(args.steps), "--host-budget", str(args.host_budget),
-               "--lr", str(args.lr),
-               "--device-budget", str(args.device_budget),
-               "--probe-layers", ",".join(map(str, args.probe_layers))]  # fmt: skip
-    command += ["--scratch"] * args.scratch + ["--bf16"] * args.bf16
-    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{role} failed (exit {proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    forwarded = ["--layers", str(args.layers), "--width", str(args.width),
+                 "--steps", str(args.steps), "--host-budget", str(args.host_budget),
+                 "--lr", str(args.lr), "--device-budget", str(args.device_budget),
+                 "--probe-layers", ",".join(map(str, args.probe_layers))]  # fmt: skip
+    forwarded += ["--scratch"] * args.scratch + ["--bf16"] * args.bf16
+    return spawn(__file__, role, folder, forwarded, show_stderr=True)  # progress on stderr
 
 
 def report(
@@ -306,9 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check-ram", action="store_true",
         help="also train the model in memory (it must fit) and compare the losses",
     )  # fmt: skip
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--swap-dir", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     return parser.parse_args(argv)
 
 

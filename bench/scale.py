@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from _peak import peak_rss
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _child import add_child_arguments, spawn  # noqa: E402
 from _fio import required_fio_bandwidth  # noqa: E402
 
 from tierswap.cli import bench_folder  # noqa: E402
@@ -103,14 +103,11 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _spawn(args: argparse.Namespace, case: str, folder: Path) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", case, "--swap-dir", str(folder / case),
-               "--params", str(args.params), "--tensor", str(args.tensor),
-               "--host-budget", str(args.host_budget), "--single", str(args.single),
-               "--single-budget", str(args.single_budget), "--steps", str(args.steps)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"case {case} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return spawn(__file__, case, folder, [
+        "--params", str(args.params), "--tensor", str(args.tensor),
+        "--host-budget", str(args.host_budget), "--single", str(args.single),
+        "--single-budget", str(args.single_budget), "--steps", str(args.steps),
+    ])  # fmt: skip
 
 
 def report(result: dict[str, Any], fio: dict[str, float]) -> dict[str, Any]:
@@ -166,9 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--single", type=parse_size, default=parse_size("500M"))
     parser.add_argument("--single-budget", type=parse_size, default=parse_size("256MiB"))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--swap-dir", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     return parser.parse_args(argv)
 
 
