@@ -168,10 +168,6 @@ class StateBackend:
         self.store.put_many(tensors, chunk_bytes=chunk_bytes)
         self.known.update(tensors)
 
-    def put_regions(self, writes: dict[Region, torch.Tensor]) -> None:
-        """Write regions, all in flight at once; the tensors must not change until this returns."""
-        self.put_regions_async(writes).result()
-
     def put_regions_async(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
         """Start writing regions through the pipeline's disk (ordered with its reads and
         write-behinds); the tensors must not change until the future is done."""
