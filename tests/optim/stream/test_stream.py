@@ -583,19 +583,24 @@ def test_random_training_schedules_match_torch(tmp_path: Path, seed: int) -> Non
     assert_same_params(ref, model)
 
 
-@pytest.mark.parametrize("device_budget", [0, 40_000, 1 << 20], ids=["none", "some", "all"])
+@pytest.mark.parametrize(
+    "device_budget", [0, 17_000, 40_000, 1 << 20], ids=["none", "tight", "some", "all"]
+)
 def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_budget: int) -> None:
     """``device_budget`` holds parameters between uses, those used soonest first (Belady on the
     order recorded over the first iteration); the step updates the kept ones in place, and
-    what is kept is read no more."""
+    what is kept is read no more. The budget holds the parameters in use too: those with
+    values never exceed it, unless one module's own (with the root's ``scale``) do."""
     ref, model, plain, opt = _streaming(tmp_path, device_budget=device_budget)
     total = sum(p.numel() * 4 for p in model.parameters())
+    largest = 4 * (64 * 64 + 64) + 16  # mid's parameters, beside the root's scale
     fetched = []
     for step in range(4):
         norm = _train(ref, plain, step, 0.5)
         assert torch.equal(_train(model, opt, step, 0.5), norm)
         stats = opt.tier_stats()["parameters"]
         assert stats["kept_bytes"] <= device_budget
+        assert stats["peak_bytes"] <= max(device_budget, largest)
         assert _held(model) == stats["kept_bytes"]
         fetched.append(stats["fetched_bytes"])
     per_step = fetched[-1] - fetched[-2]

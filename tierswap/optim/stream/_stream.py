@@ -25,9 +25,12 @@ asks whether each is finite and records its factor); the step reads the gradient
 slice's state and applies the factors. Backward passes that accumulate add to the
 kept gradient, as torch adds into ``param.grad``.
 
-``device_budget`` keeps parameters between uses: when some are done with, those idle ones
-whose next use in the recorded order comes soonest keep their values (Belady, within the
-budget); the step updates a kept parameter in place, so it is read no more.
+``device_budget`` holds the parameters in use and keeps others between uses: when some are
+done with, those idle ones whose next use in the recorded order comes soonest keep their
+values (Belady, within what the budget leaves beside those in use), and a read frees kept ones,
+those used latest first, until it fits beside them; the step updates a kept parameter in place,
+so it is read no more. Parameters in use are never freed: a module larger than the budget
+takes its own size.
 
 ``model.state_dict()`` reads the values from the swap space; ``model.load_state_dict()`` gives
 each module's parameters their values while it loads and writes what was loaded as their
@@ -37,8 +40,8 @@ element), beside the remainder.
 A param group added later (``add_param_group``) streams from then on
 (:meth:`ParameterStream.adopt`).
 
-Not yet: the parameters in use come on top of ``device_budget``, and a parameter used outside
-the forward of the modules that own it is not read for that use.
+Not yet: a parameter used outside the forward of the modules that own it is not read for that
+use.
 """
 
 from __future__ import annotations
@@ -399,11 +402,17 @@ class ParameterStream:
 
     def _fetch(self, indices: list[int]) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
-        kept between uses have them)."""
+        kept between uses have them), first freeing kept ones, those used latest first, as
+        far as ``device_budget`` needs: it holds the parameters in use and the kept ones."""
         self._kept.difference_update(indices)
         missing = [i for i in indices if i not in self._live]
         if not missing:
             return
+        need = sum(nbytes(self._slot(i).param) for i in missing)
+        while self._kept and self.live_bytes + need > self._budget:
+            latest = max(self._kept, key=self._next_use)
+            self._kept.discard(latest)
+            self._free([latest])
         try:
             self._read_into({i: allocate(self._slot(i).param) for i in missing})
         except BaseException:
@@ -416,14 +425,16 @@ class ParameterStream:
 
     def _let_go(self, indices: Iterable[int]) -> None:
         """The parameters of slots ``indices`` are not in use any more: keep those whose next
-        use comes soonest within ``device_budget`` (Belady on the recorded order, among them
-        and those kept already), free the others."""
+        use comes soonest within what ``device_budget`` leaves beside the parameters still in
+        use (Belady on the recorded order, among them and those kept already), free the
+        others."""
         idle = self._kept | set(indices)
         if not self._budget or self._recording:
             self._free(idle)
             self._kept.clear()
             return
-        room, kept = self._budget, set()
+        busy = sum(nbytes(self._slot(i).param) for i in self._live - idle)  # still in use
+        room, kept = self._budget - busy, set()
         for index in sorted(idle, key=self._next_use):
             size = nbytes(self._slot(index).param)
             if size <= room:
