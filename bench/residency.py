@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace, folder: Path, host: int, device: int) -> dict
     e2e.MODES[name] = {"commit_every": args.commit_every, "device_budget": device}
     if args.overlap:
         e2e.MODES[name]["overlap"] = args.overlap
-    run = argparse.Namespace(**vars(args), host_budget=max(host, 1 << 20))
+    run = argparse.Namespace(**{**vars(args), "host_budget": max(host, 1 << 20)})
     result = e2e._spawn(run, name, folder / name)
     if "error" in result:
         return {"host": host, "device": device, "error": result["error"]}
@@ -124,12 +124,12 @@ def main() -> None:
         "--fractions", type=lambda v: [float(f) for f in v.split(",")], default=list(FRACTIONS),
         help="host budgets, as fractions of the state (comma-separated)",
     )  # fmt: skip
-    p.add_argument("--model", choices=["mlp"], default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    # the e2e bench's settings this one does not choose keep their defaults (its --model mlp)
+    args = argparse.Namespace(**{**vars(e2e.parse_args([])), **vars(p.parse_args())})
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         report = {
             **measure(args, Path(tmp)), "commit_every": args.commit_every, "overlap": args.overlap,
