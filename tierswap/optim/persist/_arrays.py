@@ -104,7 +104,8 @@ def write_params(parts: OptimizerParts, slots: list[Slot], *, masters: bool) -> 
                 if slot.persists_param:
                     params[Region(slot.param_key, start, stop)] = values
             pipeline.write_behind(cast)
-            direct.append(pipeline.write(params))
+            if params:
+                direct.append(pipeline.write(params))
         pipeline.drain()
     finally:
         for written in direct:
