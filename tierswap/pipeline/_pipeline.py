@@ -163,8 +163,11 @@ class Pipeline:
                 if position + 1 < len(jobs):
                     self._stage_ahead(jobs[position + 1])
                 writes = work(job, staging.ready(staged) if staging and staged else tensors)
-            except BaseException:
-                self._abandon(job, tensors, staged)
+            except BaseException:  # its device copies go; a streamed job's buffers go back
+                if staged is not None:  # once no copy reads them
+                    self._staging.abandon(staged)
+                if self.resident_tier(job.name) is None:
+                    self._give_back(job, tensors)
                 raise
             self._finish(job, tensors, staged, writes)
             self._read_ahead(jobs[position + 1 :])
@@ -261,37 +264,17 @@ class Pipeline:
         if tier == DEVICE:
             self._kept[DEVICE][job.name].update(writes)
             return
-        if tier == HOST:
-            self._land(job.name, self._kept[HOST][job.name], staged, writes)
+        if tier == HOST:  # the results land in its tensors; its next use waits for them
+            resident = self._kept[HOST][job.name]
+            on_host, landed = self._copy_out(resident, staged, writes)
+            resident.update(on_host)
+            self._staging.land(job.name, landed)
             return
         if job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes):
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
         self._disk.write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
         self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
-
-    def _land(
-        self,
-        name: Hashable,
-        resident: dict[Region, torch.Tensor],
-        staged: Staged[Region] | None,
-        writes: dict[Region, torch.Tensor],
-    ) -> None:
-        """Copy a host-resident job's results into its tensors (when they are not already
-        there); the next use of the job waits until they have landed."""
-        host, landed = self._copy_out(resident, staged, writes)
-        resident.update(host)
-        self._staging.land(name, landed)
-
-    def _abandon(
-        self, job: Job, tensors: dict[Region, torch.Tensor], staged: Staged[Region] | None
-    ) -> None:
-        """Undo a job whose work failed: its device copies go, and a streamed job's host
-        buffers go back once no copy reads them (a resident job keeps its tensors)."""
-        if staged is not None:
-            self._staging.abandon(staged)
-        if self.resident_tier(job.name) is None:
-            self._give_back(job, tensors)
 
     def _keep_on_device(
         self,
