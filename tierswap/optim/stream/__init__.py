@@ -4,6 +4,8 @@ while their modules run, and the swap space keeps their values.
 - ``_stream``: :class:`ParameterStream`, what the hooks' events do and the reads through the
   optimizer's pipeline;
 - ``_hooks``: the module hooks, which hold the stream weakly;
+- ``_guard``: :class:`~tierswap.optim.stream._guard.StreamedParameter`, what a streamed
+  parameter is meanwhile: it asks the stream for its values where no hook of its module runs;
 - ``_storage``: freeing and refilling a parameter's memory in place;
 - ``_placeholder``: :class:`OffloadedGradient`, what ``param.grad`` holds while the gradient
   lives in the swap space;

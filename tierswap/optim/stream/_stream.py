@@ -40,8 +40,14 @@ element), beside the remainder.
 A param group added later (``add_param_group``) streams from then on
 (:meth:`ParameterStream.adopt`).
 
-Not yet: a parameter used outside the forward of the modules that own it is not read for that
-use.
+A parameter used where no hook of its modules runs (``nn.MultiheadAttention`` hands
+``out_proj.weight`` to its functional form; a parent's forward uses a child's weight; a
+penalty on the weights in the training loop) is read for that use: each streamed parameter is
+a :class:`~tierswap.optim.stream._guard.StreamedParameter` while the optimizer streams it,
+which asks :meth:`ParameterStream.use` before an operation reads its values. Within a forward
+the innermost running module (the model itself among them) borrows it: from then on that
+module's hooks read it, as they read its own parameters. Outside any forward it keeps its
+values until backward ends (autograd may have saved it) or the next step begins.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from tierswap.errors import ConfigError
 from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import Segment, Slot, master_dtype
+from tierswap.optim.stream._guard import guard, unguard
 from tierswap.optim.stream._hooks import before_backward, hook_modules
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
@@ -86,11 +93,14 @@ class ParameterStream:
         self.parts = parts
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
         self._meta_born = set(meta_born)
-        #: Each module that owns streamed parameters, with their slot indices.
+        #: The model and each module that owns streamed parameters, with the slot indices of
+        #: those and of the ones it borrows (:meth:`use`).
         self._modules = _owners(model, parts.layout.slot_of)
         self._model = weakref.ref(model)
         self._live: set[int] = set()  # slots whose parameter holds its values now
         self._users: Counter[int] = Counter()  # forwards running that use each slot
+        self._running: list[int] = []  # modules whose forward runs, the innermost last
+        self._loose: set[int] = set()  # slots used outside forward: held until backward ends
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order: list[int] = []  # modules in the order of their uses, recorded once
@@ -118,8 +128,9 @@ class ParameterStream:
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
         """Free every streamed parameter (the store holds its master) and hook the modules."""
-        for index in {i for _, owned in self._modules for i in owned}:
+        for index in self._streamed():
             free(self._slot(index).param)
+            guard(self._slot(index).param, self, index)
         self._hook()
 
     def adopt(self, slots: list[Slot]) -> None:
@@ -138,6 +149,7 @@ class ParameterStream:
         self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
         for slot in slots:
             free(slot.param)
+            guard(slot.param, self, slot.index)
         self._hook()
 
     def check_owned(self, slots: list[Slot]) -> None:
@@ -146,8 +158,12 @@ class ParameterStream:
         if model is not None:
             check_owned(model, slots)
 
+    def _streamed(self) -> set[int]:
+        return {i for _, owned in self._modules for i in owned}
+
     def _hook(self) -> None:
-        """Hook each module that owns streamed parameters, and the model's state dict."""
+        """Hook the model, each module that owns streamed parameters, and the model's state
+        dict."""
         self._handles = hook_modules(self, [module for module, _ in self._modules], self._model())
 
     def close(self) -> None:
@@ -159,6 +175,8 @@ class ParameterStream:
         self.drop_ahead()
         for _, owned in self._modules:
             self._fetch([i for i in owned if i not in self._meta_born])
+        for index in self._streamed():
+            unguard(self._slot(index).param)
         for index in self._meta_born:
             self._live.discard(index)
             to_meta(self._slot(index).param)
@@ -175,6 +193,7 @@ class ParameterStream:
         self._fetch(owned)
         self._used(position)  # reads ahead after its own: they would wait behind those
         self._users.update(owned)
+        self._running.append(position)
 
     def after_forward(self, position: int, output: Any) -> None:
         """Module ``position`` ran forward: free its parameters unless another running forward
@@ -182,6 +201,8 @@ class ParameterStream:
         reads them again before it reaches the module."""
         owned = self._modules[position][1]
         self._users.subtract(owned)
+        if position in self._running:  # the innermost of that module's runs ends
+            del self._running[len(self._running) - 1 - self._running[::-1].index(position)]
         if not self._in_backward:
             self._let_go([i for i in owned if self._users[i] <= 0])
         if torch.is_grad_enabled():
@@ -230,11 +251,55 @@ class ParameterStream:
         if self._users[slot.index] <= 0:
             self._let_go([slot.index])
 
+    def use(self, index: int) -> bool:
+        """An operation is about to read the parameter of slot ``index`` (its
+        :class:`~tierswap.optim.stream._guard.StreamedParameter` asks: it holds no values, or
+        autograd may save it): give it its values, unless a running module that uses it has;
+        whether they are lent for this operation only.
+
+        The innermost running module borrows it: it is in use until that module's forward
+        ends, and from then on that module's hooks read it with their own, in forward and
+        backward. Outside any forward, a use that autograd may save (or one in backward)
+        keeps it in use until backward ends or a step begins; another one borrows its values
+        for the operation (:meth:`used`)."""
+        if self._users[index] <= 0:
+            if self._running:
+                self._modules[self._running[-1]][1].append(index)
+            elif self._in_backward or (
+                torch.is_grad_enabled() and self._slot(index).param.requires_grad
+            ):
+                self._loose.add(index)
+            else:
+                lent = index not in self._live
+                self._fetch([index])
+                return lent
+            self._users[index] += 1
+        self._fetch([index])  # nothing to do when it holds values
+        return False
+
+    def used(self, index: int, *, viewed: bool) -> None:
+        """The operation that the values of slot ``index`` were lent for (:meth:`use`) ran:
+        let them go, unless its result views them (they then stay until backward ends or a
+        step begins)."""
+        if viewed:
+            self._loose.add(index)
+            self._users[index] += 1
+        elif self._users[index] <= 0:
+            self._let_go([index])
+
+    def _release_loose(self) -> list[int]:
+        """The parameters used outside forward are not in use any more: those now in no
+        use."""
+        loose, self._loose = self._loose, set()
+        self._users.subtract(loose)
+        return [i for i in loose if self._users[i] <= 0]
+
     def end_backward(self) -> None:
         """Backward ended: free what it read (frozen parameters, which have no gradient
-        hook, and those whose gradient never came)."""
+        hook, and those whose gradient never came) and what was used outside forward."""
         self._in_backward = False
         self._seen_in_backward.clear()
+        self._release_loose()
         self._let_go([i for i in self._live if self._users[i] <= 0 and i not in self._kept])
 
     def _take_back_gradients(self) -> None:
@@ -287,6 +352,8 @@ class ParameterStream:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
         recording of the order of uses."""
         self.drop_ahead()
+        if self._loose:
+            self._let_go(self._release_loose())
         if self._recording:
             self._recording = False
             for position, module in enumerate(self._order):
@@ -313,13 +380,15 @@ class ParameterStream:
     def after_load(self, position: int) -> None:
         """Module ``position`` has copied the loaded values: they become the masters."""
         owned = self._modules[position][1]
-        for index in owned:
-            write_master(self.parts, self._slot(index))
+        with torch.no_grad():  # the optimizer's own read of the values: not a use
+            for index in owned:
+                write_master(self.parts, self._slot(index))
         self._free(owned)
 
     def reset(self) -> None:
         """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
         self.drop_ahead()
+        self._release_loose()
         self._kept.clear()
         self._free(list(self._live))
 
@@ -327,7 +396,7 @@ class ParameterStream:
         """What streaming did: parameters streamed, bytes read from the store and copied from
         resident slices since the start, bytes held now and at most."""
         return {
-            "streamed": sum(len(owned) for _, owned in self._modules),
+            "streamed": len(self._streamed()),
             "kept_bytes": sum(nbytes(self._slot(i).param) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
@@ -491,7 +560,8 @@ class ParameterStream:
         read without giving the parameter memory."""
         param = self._slot(index).param
         if index in self._live:
-            return param.detach().to("cpu", copy=True)
+            with torch.no_grad():  # the optimizer's own read of the values: not a use
+                return param.detach().to("cpu", copy=True)
         out = torch.empty(param.shape, dtype=param.dtype)
         self._read_into({index: out.view(-1)})
         return out
@@ -528,7 +598,8 @@ def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
 def _owners(
     model: torch.nn.Module, slot_of: dict[int, Slot]
 ) -> list[tuple[torch.nn.Module, list[int]]]:
-    """Each module of ``model`` that owns streamed parameters, with their slot indices."""
+    """``model`` and each module of it that owns streamed parameters, with their slot
+    indices."""
     owners = []
     for module in model.modules():
         owned = [
@@ -536,7 +607,7 @@ def _owners(
             for p in module.parameters(recurse=False)
             if id(p) in slot_of and slot_of[id(p)].streamed
         ]
-        if owned:
+        if owned or module is model:
             owners.append((module, owned))
     return owners
 

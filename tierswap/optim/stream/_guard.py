@@ -1,0 +1,144 @@
+"""What a streamed parameter is while the optimizer streams it: a :class:`StreamedParameter`.
+
+Between uses a streamed parameter holds no memory (its storage is resized to zero bytes), and
+its module's hooks give it values before the module runs. A parameter used where no hook of
+its own module runs would reach a kernel with a null data pointer: an error in some kernels, a
+segmentation fault in others. That happens in ordinary models: ``nn.MultiheadAttention`` hands
+``self.out_proj.weight`` to its functional form (the ``out_proj`` module never runs), a tied
+head written as ``F.linear(h, self.wte.weight)``, a weight penalty in the training loop.
+
+So the optimizer turns each streamed ``torch.nn.Parameter`` into this subclass (the same
+object: ``__class__`` changes, nothing else) until it closes. Its ``__torch_function__`` sees
+every torch operation on the parameter. An operation that reads its values (anything but
+metadata: shape, dtype, ``.grad``, storage, hooks, ``detach`` ...) tells the stream first
+(:meth:`~tierswap.optim.stream.ParameterStream.use`) when the parameter holds no values, or
+when autograd may save it for backward (gradients enabled, the parameter trainable): the
+stream gives it its values and keeps them while a use may need them. Values lent for one
+operation only are let go after it (:meth:`~tierswap.optim.stream.ParameterStream.used`),
+unless its result is a view of them. The optimizer's own work on parameters that hold values
+runs without gradients, so it is not seen. The operation itself runs as on a plain
+parameter: its results are plain tensors.
+
+``detach()`` is metadata here: ``model.state_dict()`` detaches every parameter before the
+optimizer's hook puts their values in, and must not read them all; a parameter detached
+between uses is an alias of no memory, as before.
+
+Private to :mod:`tierswap.optim.stream`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["StreamedParameter", "guard", "unguard"]
+
+#: Tensor methods and properties that do not read a parameter's values.
+_METADATA = frozenset(
+    {
+        "data", "dim", "element_size", "get_device", "is_complex", "is_contiguous",
+        "is_floating_point", "is_pinned", "numel", "register_hook",
+        "register_post_accumulate_grad_hook", "requires_grad_", "size", "storage_offset",
+        "stride", "untyped_storage", "data_ptr", "__repr__", "detach",
+    }
+)  # fmt: skip
+#: Properties that return a view of the values (the others are metadata).
+_VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+class ValueUser(Protocol):
+    """Who streams the parameter (:class:`~tierswap.optim.stream.ParameterStream`)."""
+
+    def use(self, index: int) -> bool:
+        """The parameter of slot ``index`` is about to be read: give it its values; whether
+        they are lent for this operation only (:meth:`used` then follows)."""
+        ...
+
+    def used(self, index: int, *, viewed: bool) -> None:
+        """The operation that values were lent for ran; ``viewed``: its result views them."""
+        ...
+
+
+class StreamedParameter(torch.nn.Parameter):
+    """A ``torch.nn.Parameter`` whose values the stream of ``_tierswap_stream`` (slot
+    ``_tierswap_slot``) gives it before any operation reads them."""
+
+    _tierswap_stream: weakref.ref[ValueUser]
+    _tierswap_slot: int
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if not _reads_values(func):
+                return func(*args, **kwargs)
+            lent: list[tuple[StreamedParameter, ValueUser]] = []
+            viewed: list[bool] = []
+            try:
+                for leaf in tree_leaves((args, kwargs)):
+                    stream = _stream_of(leaf)
+                    if stream is not None and stream.use(leaf._tierswap_slot):
+                        lent.append((leaf, stream))
+                result = func(*args, **kwargs)
+                viewed = [_views(result, param) for param, _ in lent]
+                return result
+            finally:
+                for (param, stream), view in zip(lent, viewed or [False] * len(lent), strict=True):
+                    stream.used(param._tierswap_slot, viewed=view)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        if self.untyped_storage().nbytes() == 0 and self.numel():
+            return (
+                f"StreamedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                "values in the swap space between uses)"
+            )
+        return str(super().__repr__(*args, **kwargs))  # type: ignore[no-untyped-call]
+
+
+def _reads_values(func: Any) -> bool:
+    """Whether ``func`` (a torch function, method, or a property's getter or setter) may read
+    the values of the tensors it is given."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property: metadata, except the views
+        return getattr(func.__self__, "__name__", "") in _VIEWS
+    return name not in _METADATA
+
+
+def _stream_of(value: Any) -> ValueUser | None:
+    """The stream an operation reading ``value`` must ask first: ``value`` is a streamed
+    parameter that holds no values, or one autograd may save for backward."""
+    if not isinstance(value, StreamedParameter):
+        return None
+    empty = value.untyped_storage().nbytes() == 0 and value.numel() > 0
+    if empty or (torch.is_grad_enabled() and value.requires_grad):
+        return value._tierswap_stream()
+    return None
+
+
+def _views(result: Any, param: torch.Tensor) -> bool:
+    """Whether a tensor of ``result`` other than ``param`` itself shares its memory."""
+    memory = param.untyped_storage().data_ptr()
+    return any(
+        isinstance(t, torch.Tensor) and t is not param and t.untyped_storage().data_ptr() == memory
+        for t in tree_leaves(result)
+    )
+
+
+def guard(param: torch.Tensor, stream: ValueUser, index: int) -> None:
+    """Make ``param`` (a plain ``torch.nn.Parameter``: other classes stay as they are) a
+    :class:`StreamedParameter` of slot ``index`` of ``stream``."""
+    if type(param) is torch.nn.Parameter:
+        param.__class__ = StreamedParameter
+    if isinstance(param, StreamedParameter):
+        param._tierswap_stream = weakref.ref(stream)
+        param._tierswap_slot = index
+
+
+def unguard(param: torch.Tensor) -> None:
+    """Make ``param`` a plain ``torch.nn.Parameter`` again."""
+    if type(param) is StreamedParameter:
+        param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+        del param._tierswap_stream, param._tierswap_slot
