@@ -101,6 +101,7 @@ class ParameterStream:
         self._users: Counter[int] = Counter()  # forwards running that use each slot
         self._running: list[int] = []  # modules whose forward runs, the innermost last
         self._loose: set[int] = set()  # slots used outside forward: held until backward ends
+        self._sizes: dict[int, int] = {}  # bytes of each slot's parameter values
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order: list[int] = []  # modules in the order of their uses, recorded once
@@ -397,7 +398,7 @@ class ParameterStream:
         resident slices since the start, bytes held now and at most."""
         return {
             "streamed": len(self._streamed()),
-            "kept_bytes": sum(nbytes(self._slot(i).param) for i in self._kept),
+            "kept_bytes": sum(self._bytes(i) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
             "kept_grad_bytes": self.kept_grad_bytes,
@@ -408,6 +409,14 @@ class ParameterStream:
     # -- reading and freeing -----------------------------------------------------------------
     def _slot(self, index: int) -> Slot:
         return self.parts.layout.slots[index]
+
+    def _bytes(self, index: int) -> int:
+        """Bytes of slot ``index``'s parameter values, noted once (asking the parameter goes
+        through its :class:`~tierswap.optim.stream._guard.StreamedParameter` guard)."""
+        size = self._sizes.get(index)
+        if size is None:
+            size = self._sizes[index] = nbytes(self._slot(index).param)
+        return size
 
     def _segments(self, slot: Slot) -> list[tuple[int, Segment]]:
         """The segments of ``slot``, each with the index of the slice that holds it."""
@@ -477,7 +486,7 @@ class ParameterStream:
         missing = [i for i in indices if i not in self._live]
         if not missing:
             return
-        need = sum(nbytes(self._slot(i).param) for i in missing)
+        need = sum(self._bytes(i) for i in missing)
         while self._kept and self.live_bytes + need > self._budget:
             latest = max(self._kept, key=self._next_use)
             self._kept.discard(latest)
@@ -489,7 +498,7 @@ class ParameterStream:
                 free(self._slot(index).param)
             raise
         self._live.update(missing)
-        self.live_bytes += sum(nbytes(self._slot(i).param) for i in missing)
+        self.live_bytes += sum(self._bytes(i) for i in missing)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _let_go(self, indices: Iterable[int]) -> None:
@@ -502,10 +511,10 @@ class ParameterStream:
             self._free(idle)
             self._kept.clear()
             return
-        busy = sum(nbytes(self._slot(i).param) for i in self._live - idle)  # still in use
+        busy = sum(self._bytes(i) for i in self._live - idle)  # still in use
         room, kept = self._budget - busy, set()
         for index in sorted(idle, key=self._next_use):
-            size = nbytes(self._slot(index).param)
+            size = self._bytes(index)
             if size <= room:
                 kept.add(index)
                 room -= size
@@ -525,7 +534,7 @@ class ParameterStream:
                 param = self._slot(index).param
                 free(param)
                 self._live.discard(index)
-                self.live_bytes -= nbytes(param)
+                self.live_bytes -= self._bytes(index)
 
     # -- the order of uses -------------------------------------------------------------------
     def _used(self, position: int) -> None:
