@@ -148,6 +148,7 @@ class ParameterStream:
         self._kept.clear()
         self._modules = _owners(model, self.parts.layout.slot_of)
         self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
+        self._sizes.clear()  # the layout's slots are numbered anew
         for slot in slots:
             free(slot.param)
             guard(slot.param, self, slot.index)
