@@ -52,9 +52,10 @@ _VIEWS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 class ValueUser(Protocol):
     """Who streams the parameter (:class:`~tierswap.optim.stream.ParameterStream`)."""
 
-    def use(self, index: int) -> bool:
-        """The parameter of slot ``index`` is about to be read: give it its values; whether
-        they are lent for this operation only (:meth:`used` then follows)."""
+    def use(self, index: int, *, saved: bool) -> bool:
+        """The parameter of slot ``index`` is about to be read (``saved``: autograd may save
+        it for backward): give it its values; whether they are lent for this operation only
+        (:meth:`used` then follows)."""
         ...
 
     def used(self, index: int, *, viewed: bool) -> None:
@@ -79,8 +80,11 @@ class StreamedParameter(torch.nn.Parameter):
             viewed: list[bool] = []
             try:
                 for leaf in tree_leaves((args, kwargs)):
-                    stream = _stream_of(leaf)
-                    if stream is not None and stream.use(leaf._tierswap_slot):
+                    if not isinstance(leaf, StreamedParameter):
+                        continue
+                    saved = torch.is_grad_enabled() and leaf.requires_grad
+                    stream = leaf._tierswap_stream() if saved or _empty(leaf) else None
+                    if stream is not None and stream.use(leaf._tierswap_slot, saved=saved):
                         lent.append((leaf, stream))
                 result = func(*args, **kwargs)
                 viewed = [_views(result, param) for param, _ in lent]
@@ -90,7 +94,7 @@ class StreamedParameter(torch.nn.Parameter):
                     stream.used(param._tierswap_slot, viewed=view)
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        if self.untyped_storage().nbytes() == 0 and self.numel():
+        if _empty(self):
             return (
                 f"StreamedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 "values in the swap space between uses)"
@@ -107,15 +111,10 @@ def _reads_values(func: Any) -> bool:
     return name not in _METADATA
 
 
-def _stream_of(value: Any) -> ValueUser | None:
-    """The stream an operation reading ``value`` must ask first: ``value`` is a streamed
-    parameter that holds no values, or one autograd may save for backward."""
-    if not isinstance(value, StreamedParameter):
-        return None
-    empty = value.untyped_storage().nbytes() == 0 and value.numel() > 0
-    if empty or (torch.is_grad_enabled() and value.requires_grad):
-        return value._tierswap_stream()
-    return None
+def _empty(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds no values now (freed between uses; an empty one has none to
+    hold)."""
+    return param.untyped_storage().nbytes() == 0 and param.numel() > 0
 
 
 def _views(result: Any, param: torch.Tensor) -> bool:

@@ -203,8 +203,8 @@ class ParameterStream:
         reads them again before it reaches the module."""
         owned = self._modules[position][1]
         self._users.subtract(owned)
-        if position in self._running:  # the innermost of that module's runs ends
-            del self._running[len(self._running) - 1 - self._running[::-1].index(position)]
+        if self._running and self._running[-1] == position:  # forwards nest: it is the last
+            self._running.pop()
         if not self._in_backward:
             self._let_go([i for i in owned if self._users[i] <= 0])
         if torch.is_grad_enabled():
@@ -253,11 +253,11 @@ class ParameterStream:
         if self._users[slot.index] <= 0:
             self._let_go([slot.index])
 
-    def use(self, index: int) -> bool:
+    def use(self, index: int, *, saved: bool) -> bool:
         """An operation is about to read the parameter of slot ``index`` (its
         :class:`~tierswap.optim.stream._guard.StreamedParameter` asks: it holds no values, or
-        autograd may save it): give it its values, unless a running module that uses it has;
-        whether they are lent for this operation only.
+        autograd may save it, ``saved``): give it its values, unless a running module that
+        uses it has; whether they are lent for this operation only.
 
         The innermost running module borrows it: it is in use until that module's forward
         ends, and from then on that module's hooks read it with their own, in forward and
@@ -267,9 +267,7 @@ class ParameterStream:
         if self._users[index] <= 0:
             if self._running:
                 self._modules[self._running[-1]][1].append(index)
-            elif self._in_backward or (
-                torch.is_grad_enabled() and self._slot(index).param.requires_grad
-            ):
+            elif self._in_backward or saved:
                 self._loose.add(index)
             else:
                 lent = index not in self._live
