@@ -146,8 +146,10 @@ class Assembly(Checkpoints):
         meta_born = [slot_of[id(param)].index for param in self._unborn.params]
         self._stream = ParameterStream(self._parts, model, meta_born)
         self._stream.start()
-        # streamed parameters and gradients must leave memory when freed
+        # streamed parameters and gradients must leave memory when freed; released by
+        # close(), or when the optimizer is garbage-collected without it
         self._release_threshold = hold_threshold()
+        weakref.finalize(self, self._release_threshold).atexit = False
 
     def _open_backend(self, layout: Layout) -> StateBackend:
         """The swap folder's store and pipeline, sized by ``layout``."""

@@ -4,13 +4,20 @@ guard): a parent's forward, ``nn.MultiheadAttention``'s functional form, the tra
 from __future__ import annotations
 
 import copy
+import gc
+import io
+import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.optim.models import batch_for_step
+from tierswap.errors import StoreClosedError
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.step import _memory
 from tierswap.optim.stream._guard import StreamedParameter
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
@@ -51,13 +58,21 @@ def _penalty(model: torch.nn.Module) -> torch.Tensor:
     return 1e-3 * sum(p.square().sum() for p in model.parameters())  # type: ignore[return-value]
 
 
+Between = Callable[[torch.nn.Module, torch.nn.Module, SwapOptimizer], None]
+
+
 def _train_pair(
-    tmp_path: Path, make: type[torch.nn.Module], steps: int, penalty: str | None = None
+    tmp_path: Path,
+    make: type[torch.nn.Module],
+    steps: int,
+    penalty: str | None = None,
+    between: Between | None = None,
 ) -> tuple[torch.nn.Module, SwapOptimizer]:
     """Train ``make()`` with torch's AdamW and a copy with streamed parameters, in lock-step
     (``penalty``: a weight penalty on every parameter, computed "before" or "after" the
-    forward, in the training loop); check them bitwise at each step and return the streamed
-    one and its optimizer (still open)."""
+    forward, in the training loop; ``between(in_memory, streamed, optimizer)`` after each
+    step); check them bitwise at each step and return the streamed one and its optimizer
+    (still open)."""
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref)
@@ -80,6 +95,8 @@ def _train_pair(
         expected = ref.state_dict()
         for key, value in model.state_dict().items():
             assert torch.equal(value, expected[key]), (step, key)
+        if between is not None:
+            between(ref, model, opt)
     return model, opt
 
 
@@ -126,3 +143,74 @@ def test_a_freed_parameter_is_read_for_a_use_between_steps(tmp_path: Path) -> No
     for name, param in model.named_parameters():
         assert type(param) is torch.nn.Parameter
         assert torch.equal(param, stored[name]), name
+
+
+def _saved_and_loaded(model: torch.nn.Module) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)  # type: ignore[no-any-return]
+
+
+COPIERS: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda model: pickle.loads(pickle.dumps(model)),
+    "torch.save": _saved_and_loaded,
+}
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_copy_of_a_streamed_model_is_plain_and_leaves_the_stream_alone(
+    tmp_path: Path, copier: str
+) -> None:
+    """torch's own copy of a parameter reads its storage: a freed one crashed the process."""
+
+    def check(_: torch.nn.Module, model: torch.nn.Module, opt: SwapOptimizer) -> None:
+        values = model.state_dict()
+        twin = COPIERS[copier](model)
+        for name, param in twin.named_parameters():
+            assert type(param) is torch.nn.Parameter, name
+            assert torch.equal(param, values[name]), name
+        assert _held(model) == 0  # reading the values gave the streamed ones no memory
+        fetched = opt.tier_stats()["parameters"]["fetched_bytes"]
+        twin(batch_for_step(7)).sum().backward()  # the copy's hooks do nothing
+        assert opt.tier_stats()["parameters"]["fetched_bytes"] == fetched
+        assert all(type(p.grad) is torch.Tensor for p in twin.parameters())
+        assert all(isinstance(p, StreamedParameter) for p in model.parameters())
+
+    _, opt = _train_pair(tmp_path, Borrowing, 3, between=check)  # and trains on, bitwise
+    opt.close()
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_an_averaged_model_of_streamed_parameters_averages_their_values(
+    tmp_path: Path, ema: bool
+) -> None:
+    """``AveragedModel`` copies the model and reads ``p.detach()`` of each parameter (one at a
+    time, or all in one foreach op for an EMA)."""
+    kwargs = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if ema else {}
+    averaged: dict[int, AveragedModel] = {}
+
+    def update(ref: torch.nn.Module, model: torch.nn.Module, _: SwapOptimizer) -> None:
+        for m in (ref, model):
+            averaged.setdefault(id(m), AveragedModel(m, **kwargs)).update_parameters(m)
+        assert _held(model) == 0
+        expected = averaged[id(ref)].state_dict()
+        for key, value in averaged[id(model)].state_dict().items():
+            assert torch.equal(value, expected[key]), key
+
+    _, opt = _train_pair(tmp_path, Borrowing, 3, between=update)
+    opt.close()
+
+
+def test_a_parameter_whose_optimizer_was_dropped_unclosed_says_where_its_values_are(
+    tmp_path: Path,
+) -> None:
+    model, opt = _train_pair(tmp_path, Borrowing, 1)
+    del opt
+    gc.collect()
+    assert _memory._idle_threshold() == _memory.IDLE_MMAP_THRESHOLD  # its hold went with it
+    with pytest.raises(StoreClosedError, match="without close"):
+        model.mid.weight + 1
+    with pytest.raises(StoreClosedError):
+        copy.deepcopy(model)

@@ -1,11 +1,15 @@
 """Parameter streaming (``offload_parameters=True``): the model's parameters hold memory only
 while their modules run, and the swap space keeps their values.
 
-- ``_stream``: :class:`ParameterStream`, what the hooks' events do and the reads through the
-  optimizer's pipeline;
+- ``_stream``: :class:`ParameterStream`, what the hooks' events do: which parameters hold
+  values when, read ahead in the recorded order of uses;
+- ``_swap``: where a parameter's values and kept gradient are in the swap space, and the
+  moves between there and memory (copies from resident slices, the pipeline's reads and
+  write-behinds);
 - ``_hooks``: the module hooks, which hold the stream weakly;
 - ``_guard``: :class:`~tierswap.optim.stream._guard.StreamedParameter`, what a streamed
-  parameter is meanwhile: it asks the stream for its values where no hook of its module runs;
+  parameter is meanwhile: it asks the stream for its values where no hook of its module runs,
+  and its copies (``copy.deepcopy``, pickling) are plain parameters with its values;
 - ``_storage``: freeing and refilling a parameter's memory in place;
 - ``_placeholder``: :class:`OffloadedGradient`, what ``param.grad`` holds while the gradient
   lives in the swap space;

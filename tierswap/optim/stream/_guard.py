@@ -23,18 +23,26 @@ parameter: its results are plain tensors.
 optimizer's hook puts their values in, and must not read them all; a parameter detached
 between uses is an alias of no memory, as before.
 
+A copy of a streamed parameter (``copy.deepcopy``, pickling, ``torch.save``: of the model, for
+an EMA or ``torch.optim.swa_utils.AveragedModel``, or of the parameter) is a plain
+``torch.nn.Parameter`` holding the values, read from the swap space without giving the
+streamed one memory; torch's own copy would read its empty storage and crash.
+
 Private to :mod:`tierswap.optim.stream`.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StreamedParameter", "guard", "unguard"]
+from tierswap.errors import StoreClosedError
+
+__all__ = ["Guarded", "StreamedAlias", "StreamedParameter", "guard", "unguard"]
 
 #: Tensor methods and properties that do not read a parameter's values.
 _METADATA = frozenset(
@@ -62,10 +70,15 @@ class ValueUser(Protocol):
         """The operation that values were lent for ran; ``viewed``: its result views them."""
         ...
 
+    def read_values(self, index: int) -> torch.Tensor:
+        """A CPU copy of the values of slot ``index``'s parameter (it gets no memory)."""
+        ...
 
-class StreamedParameter(torch.nn.Parameter):
-    """A ``torch.nn.Parameter`` whose values the stream of ``_tierswap_stream`` (slot
-    ``_tierswap_slot``) gives it before any operation reads them."""
+
+class Guarded(torch.Tensor):
+    """A tensor whose values the stream of ``_tierswap_stream`` (slot ``_tierswap_slot``)
+    gives it before any operation reads them: a :class:`StreamedParameter`, or a
+    :class:`StreamedAlias` of one."""
 
     _tierswap_stream: weakref.ref[ValueUser]
     _tierswap_slot: int
@@ -75,23 +88,70 @@ class StreamedParameter(torch.nn.Parameter):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             if not _reads_values(func):
-                return func(*args, **kwargs)
-            lent: list[tuple[StreamedParameter, ValueUser]] = []
+                result = func(*args, **kwargs)
+                if getattr(func, "__name__", "") == "detach" and isinstance(args[0], Guarded):
+                    return _alias(result, args[0])
+                return result
+            lent: list[tuple[Guarded, ValueUser]] = []
             viewed: list[bool] = []
             try:
                 for leaf in tree_leaves((args, kwargs)):
-                    if not isinstance(leaf, StreamedParameter):
+                    if not isinstance(leaf, Guarded):
                         continue
                     saved = torch.is_grad_enabled() and leaf.requires_grad
-                    stream = leaf._tierswap_stream() if saved or _empty(leaf) else None
+                    stream = leaf._stream() if saved or _empty(leaf) else None
                     if stream is not None and stream.use(leaf._tierswap_slot, saved=saved):
                         lent.append((leaf, stream))
                 result = func(*args, **kwargs)
-                viewed = [_views(result, param) for param, _ in lent]
+                viewed = [_views(result, tensor) for tensor, _ in lent]
                 return result
             finally:
-                for (param, stream), view in zip(lent, viewed or [False] * len(lent), strict=True):
-                    stream.used(param._tierswap_slot, viewed=view)
+                for (tensor, stream), view in zip(lent, viewed or [False] * len(lent), strict=True):
+                    stream.used(tensor._tierswap_slot, viewed=view)
+
+    def _stream(self) -> ValueUser | None:
+        """Who streams this parameter; ``StoreClosedError`` if it holds no values and the
+        optimizer is gone without ``close()`` (which gives every parameter its values back)."""
+        stream = self._tierswap_stream()
+        if stream is None and _empty(self):
+            raise StoreClosedError(
+                f"this parameter (shape {tuple(self.shape)}) was streamed by a SwapOptimizer "
+                "that was dropped without close(): its values are in that optimizer's swap "
+                "folder (a new SwapOptimizer on it resumes them)"
+            )
+        return stream
+
+    def _values(self) -> torch.Tensor:
+        """A copy of the values, on this tensor's device, read without giving it memory."""
+        stream = self._stream()
+        with torch._C.DisableTorchFunctionSubclass():
+            if stream is None:  # it holds its values
+                return self.detach().clone()
+            return stream.read_values(self._tierswap_slot).to(self.device)
+
+    def _copy(self, values: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The plain tensor a copy of this one is, holding ``values`` (attributes ``state``)."""
+        return values
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        if id(self) not in memo:
+            memo[id(self)] = self._copy(self._values(), {})
+            memo[id(self)].__dict__.update(copy.deepcopy(_own_state(self), memo))
+        return memo[id(self)]  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled (``torch.save``) as the plain tensor it was: loading needs no tierswap."""
+        plain = self._copy(self._values(), _own_state(self))
+        return plain.__reduce_ex__(proto)  # type: ignore[no-untyped-call]
+
+
+class StreamedParameter(Guarded, torch.nn.Parameter):
+    """A ``torch.nn.Parameter`` streamed by the optimizer (:func:`guard`)."""
+
+    def _copy(self, values: torch.Tensor, state: dict[str, Any]) -> torch.nn.Parameter:
+        param = torch.nn.Parameter(values, self.requires_grad)
+        param.__dict__.update(state)
+        return param
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         if _empty(self):
@@ -100,6 +160,19 @@ class StreamedParameter(torch.nn.Parameter):
                 "values in the swap space between uses)"
             )
         return str(super().__repr__(*args, **kwargs))  # type: ignore[no-untyped-call]
+
+
+class StreamedAlias(Guarded):
+    """What ``detach()`` of a :class:`StreamedParameter` returns: an alias of its memory, so
+    it holds values exactly when the parameter does, and reads them as the parameter does
+    (``torch.optim.swa_utils.AveragedModel`` reads ``p.detach()`` of each parameter)."""
+
+
+def _alias(tensor: torch.Tensor, of: Guarded) -> StreamedAlias:
+    """``tensor`` (a detached alias of ``of``) as a :class:`StreamedAlias`."""
+    alias = tensor.as_subclass(StreamedAlias)
+    alias._tierswap_stream, alias._tierswap_slot = of._tierswap_stream, of._tierswap_slot
+    return alias
 
 
 def _reads_values(func: Any) -> bool:
@@ -117,11 +190,19 @@ def _empty(param: torch.Tensor) -> bool:
     return param.untyped_storage().nbytes() == 0 and param.numel() > 0
 
 
-def _views(result: Any, param: torch.Tensor) -> bool:
-    """Whether a tensor of ``result`` other than ``param`` itself shares its memory."""
-    memory = param.untyped_storage().data_ptr()
+def _own_state(param: torch.Tensor) -> dict[str, Any]:
+    """``param``'s attributes, less the guard's own."""
+    return {k: v for k, v in param.__dict__.items() if not k.startswith("_tierswap_")}
+
+
+def _views(result: Any, tensor: torch.Tensor) -> bool:
+    """Whether a tensor of ``result`` shares ``tensor``'s memory, unguarded (a guarded one,
+    ``tensor`` itself among them, reads the values again when it needs them)."""
+    memory = tensor.untyped_storage().data_ptr()
     return any(
-        isinstance(t, torch.Tensor) and t is not param and t.untyped_storage().data_ptr() == memory
+        isinstance(t, torch.Tensor)
+        and not isinstance(t, Guarded)
+        and t.untyped_storage().data_ptr() == memory
         for t in tree_leaves(result)
     )
 

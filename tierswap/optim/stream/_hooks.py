@@ -1,15 +1,16 @@
 """The module hooks of a :class:`~tierswap.optim.stream.ParameterStream`: forward, the
 outputs' gradients (backward reaching a module), ``load_state_dict`` and the model's
 ``state_dict``. Each holds the stream weakly, so a dropped optimizer leaves nothing behind in
-the model.
+the model. A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) carries copies of
+the hooks that do nothing: the copy's parameters are plain ones that hold their values.
 
 Private to :mod:`tierswap.optim.stream`.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,24 +30,42 @@ def hook_modules(
     handles = []
     for position, module in enumerate(modules):
         handles += [
-            module.register_forward_pre_hook(functools.partial(_before, ref, position)),
-            module.register_forward_hook(
-                functools.partial(_after, ref, position), always_call=True
-            ),
+            module.register_forward_pre_hook(_Hook(ref, _before, position)),
+            module.register_forward_hook(_Hook(ref, _after, position), always_call=True),
             module.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_before_load, ref, position)
+                _Hook(ref, _before_load, position)
             ),
             module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_after_load, ref, position)
+                _Hook(ref, _after_load, position)
             ),
         ]
     if model is not None:
         handles.append(
             model.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_filled_state_dict, ref)
+                _Hook(ref, _filled_state_dict)
             )
         )
     return handles
+
+
+class _Hook:
+    """A module hook: ``event(stream, *args, *hook_args)`` while the stream lives. A copy
+    (``copy.deepcopy``, pickling) has no stream: it does nothing."""
+
+    def __init__(self, ref: Callable[[], ParameterStream | None], event: Any, *args: Any) -> None:
+        self._ref, self._event, self._args = ref, event, args
+
+    def __call__(self, *hook_args: Any) -> None:
+        stream = self._ref()
+        if stream is not None:
+            self._event(stream, *self._args, *hook_args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Hook, (_no_stream, _before)
+
+
+def _no_stream() -> None:
+    """The stream of a copied hook: none."""
 
 
 def before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any) -> None:
@@ -56,43 +75,30 @@ def before_backward(ref: weakref.ref[ParameterStream], position: int, grad: Any)
         stream.before_backward(position)
 
 
-def _before(ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.before_forward(position)
+def _before(stream: ParameterStream, position: int, module: Any, args: Any) -> None:
+    stream.before_forward(position)
 
 
-def _after(
-    ref: weakref.ref[ParameterStream], position: int, module: Any, args: Any, output: Any
-) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.after_forward(position, output)
+def _after(stream: ParameterStream, position: int, module: Any, args: Any, output: Any) -> None:
+    stream.after_forward(position, output)
 
 
-def _before_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.before_load(position)
+def _before_load(stream: ParameterStream, position: int, *args: Any) -> None:
+    stream.before_load(position)
 
 
-def _after_load(ref: weakref.ref[ParameterStream], position: int, *args: Any) -> None:
-    stream = ref()
-    if stream is not None:
-        stream.after_load(position)
+def _after_load(stream: ParameterStream, position: int, *args: Any) -> None:
+    stream.after_load(position)
 
 
 def _filled_state_dict(
-    ref: weakref.ref[ParameterStream],
+    stream: ParameterStream,
     module: torch.nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
     local_metadata: Any,
 ) -> None:
     """``model.state_dict()``: the streamed parameters' entries as CPU copies of their values."""
-    stream = ref()
-    if stream is None:
-        return
     for name, index in stream.names_of(module).items():
         if prefix + name in state_dict:
             state_dict[prefix + name] = stream.read_values(index)

@@ -63,14 +63,13 @@ from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
 from tierswap.errors import ConfigError
-from tierswap.io import footprint
 from tierswap.optim.persist import OptimizerParts, write_master
-from tierswap.optim.plan import Segment, Slot, master_dtype
+from tierswap.optim.plan import Slot
 from tierswap.optim.stream._guard import guard, unguard
 from tierswap.optim.stream._hooks import before_backward, hook_modules
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
-from tierswap.pipeline import Job, Region
+from tierswap.optim.stream._swap import keep_grad, read_into, read_job, segments
 
 __all__ = ["PREFETCH_MODULES", "ParameterStream", "check_owned"]
 
@@ -242,7 +241,8 @@ class ParameterStream:
                 if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
                     grad = self._kept_grad(slot.index).add_(grad)
                 self.parts.state.grad_scales.pop(slot.index, None)
-                self._keep_grad(slot, grad)
+                keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
+                self.kept_grad_bytes += grad.numel() * grad.element_size()
                 self.norms[slot.index] = _norm(grad, 2.0)
                 if self._note_finite:
                     low, high = grad.aminmax()  # both finite: no inf, no NaN (they propagate)
@@ -417,65 +417,13 @@ class ParameterStream:
             size = self._sizes[index] = nbytes(self._slot(index).param)
         return size
 
-    def _segments(self, slot: Slot) -> list[tuple[int, Segment]]:
-        """The segments of ``slot``, each with the index of the slice that holds it."""
-        return [
-            (piece.index, seg)
-            for piece in self.parts.layout.slices_of[slot.index]
-            for seg in piece.segments
-            if seg.slot is slot
-        ]
-
-    def _job(self, slot: Slot, seg: Segment, *, grad: bool = False) -> Job:
-        """The read of ``seg``'s master or kept gradient (a job of the pipeline, named apart
-        from the slices')."""
-        region = _region(slot, seg, grad=grad)
-        dtype = slot.param.dtype if grad or slot.remainder else master_dtype(slot.param)
-        name = ("grad" if grad else "param", slot.index, seg.start)
-        return Job(name, (region,), footprint(region.numel * dtype.itemsize))
-
-    def _keep_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        """Put ``grad`` where the step reads it: into a resident slice's tensors, or behind
-        the caller into the store (from pooled host buffers, within the host budget)."""
-        pipeline = self.parts.backend.pipeline
-        flat = grad.reshape(-1)
-        for piece, seg in self._segments(slot):
-            region = _region(slot, seg, grad=True)
-            kept = pipeline.resident(piece)
-            if kept is not None:
-                kept[region].copy_(flat[seg.start : seg.stop])
-            else:  # a segment at a time: the room the layout keeps for one slice in flight
-                pipeline.release([piece])  # a read of the slice started ahead is stale now
-                pipeline.write_behind({region: flat[seg.start : seg.stop]})
-        self.kept_grad_bytes += grad.numel() * grad.element_size()
-
     def _read_into(self, targets: dict[int, torch.Tensor], *, grad: bool = False) -> None:
         """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's
-        master (or, with ``grad``, its kept gradient): copied from the resident slices, read
-        from the store for the others."""
-        pipeline = self.parts.backend.pipeline
-        jobs: list[Job] = []
-        into: dict[Any, torch.Tensor] = {}
-        for index, target in targets.items():
-            slot = self._slot(index)
-            for piece, seg in self._segments(slot):
-                kept = pipeline.resident(piece)
-                if kept is not None:
-                    value = kept[_region(slot, seg, grad=grad)]
-                    target[seg.start : seg.stop].copy_(value)
-                    self.copied_bytes += value.numel() * value.element_size()
-                else:
-                    jobs.append(self._job(slot, seg, grad=grad))
-                    into[jobs[-1].name] = target[seg.start : seg.stop]
-        self._ahead.difference_update(into)
-
-        def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
-            into[job.name].copy_(tensors[job.reads[0]])
-            return {}
-
-        with torch.no_grad():
-            pipeline.run(jobs, work)
-        self.fetched_bytes += sum(t.numel() * t.element_size() for t in into.values())
+        master (or, with ``grad``, its kept gradient), counting the bytes."""
+        pipeline, layout = self.parts.backend.pipeline, self.parts.layout
+        copied, fetched = read_into(pipeline, layout, targets, self._ahead, grad=grad)
+        self.copied_bytes += copied
+        self.fetched_bytes += fetched
 
     def _fetch(self, indices: list[int]) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
@@ -554,9 +502,9 @@ class ParameterStream:
         pipeline = self.parts.backend.pipeline
         indices = [i for p in upcoming for i in self._modules[p][1] if i not in self._live]
         jobs = [
-            self._job(self._slot(i), seg)
+            read_job(self._slot(i), seg)
             for i in dict.fromkeys(indices)
-            for piece, seg in self._segments(self._slot(i))
+            for piece, seg in segments(self.parts.layout, self._slot(i))
             if pipeline.resident_tier(piece) is None
         ]
         if jobs:
@@ -582,14 +530,6 @@ class ParameterStream:
             for name, p in model.named_parameters(remove_duplicate=False)
             if id(p) in slot_of and slot_of[id(p)].streamed
         }
-
-
-def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
-    """Where ``seg``'s kept gradient or values are stored: the master, or, beside a
-    remainder, the parameter itself (2 bytes for bf16)."""
-    if grad:
-        return Region(slot.grad_key, seg.start, seg.stop)
-    return Region(slot.param_key if slot.remainder else slot.master_key, seg.start, seg.stop)
 
 
 def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""Where a streamed parameter's values and kept gradient are in the swap space, and the moves
+between there and memory.
+
+A parameter's slot is cut into segments across the layout's slices. A segment of a slice the
+policy keeps resident (host or device tier) is copied from that slice's tensors; any other is
+read from the store by a job of the optimizer's :class:`~tierswap.pipeline.Pipeline` (one job
+per segment, within the host budget) or written behind to it.
+
+Private to :mod:`tierswap.optim.stream`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tierswap.io import footprint
+from tierswap.optim.plan import Layout, Segment, Slot, master_dtype
+from tierswap.pipeline import Job, Pipeline, Region
+
+__all__ = ["keep_grad", "read_into", "read_job", "segments"]
+
+
+def segments(layout: Layout, slot: Slot) -> list[tuple[int, Segment]]:
+    """The segments of ``slot``, each with the index of the slice that holds it."""
+    return [
+        (piece.index, seg)
+        for piece in layout.slices_of[slot.index]
+        for seg in piece.segments
+        if seg.slot is slot
+    ]
+
+
+def read_job(slot: Slot, seg: Segment, *, grad: bool = False) -> Job:
+    """The read of ``seg``'s master or kept gradient (a job of the pipeline, named apart
+    from the slices')."""
+    region = _region(slot, seg, grad=grad)
+    dtype = slot.param.dtype if grad or slot.remainder else master_dtype(slot.param)
+    name = ("grad" if grad else "param", slot.index, seg.start)
+    return Job(name, (region,), footprint(region.numel * dtype.itemsize))
+
+
+def keep_grad(pipeline: Pipeline, layout: Layout, slot: Slot, grad: torch.Tensor) -> None:
+    """Put ``grad`` where the step reads it: into a resident slice's tensors, or behind the
+    caller into the store (from pooled host buffers, within the host budget)."""
+    flat = grad.reshape(-1)
+    for piece, seg in segments(layout, slot):
+        region = _region(slot, seg, grad=True)
+        kept = pipeline.resident(piece)
+        if kept is not None:
+            kept[region].copy_(flat[seg.start : seg.stop])
+        else:  # a segment at a time: the room the layout keeps for one slice in flight
+            pipeline.release([piece])  # a read of the slice started ahead is stale now
+            pipeline.write_behind({region: flat[seg.start : seg.stop]})
+
+
+def read_into(
+    pipeline: Pipeline,
+    layout: Layout,
+    targets: dict[int, torch.Tensor],
+    ahead: set[Any],
+    *,
+    grad: bool = False,
+) -> tuple[int, int]:
+    """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's master
+    (or, with ``grad``, its kept gradient): copied from the resident slices, read from the
+    store for the others (the reads named in ``ahead``, started ahead, are consumed: their
+    names leave it). Bytes copied, bytes read."""
+    jobs: list[Job] = []
+    into: dict[Any, torch.Tensor] = {}
+    copied = 0
+    for index, target in targets.items():
+        slot = layout.slots[index]
+        for piece, seg in segments(layout, slot):
+            kept = pipeline.resident(piece)
+            if kept is not None:
+                value = kept[_region(slot, seg, grad=grad)]
+                target[seg.start : seg.stop].copy_(value)
+                copied += value.numel() * value.element_size()
+            else:
+                jobs.append(read_job(slot, seg, grad=grad))
+                into[jobs[-1].name] = target[seg.start : seg.stop]
+    ahead.difference_update(into)
+
+    def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+        into[job.name].copy_(tensors[job.reads[0]])
+        return {}
+
+    with torch.no_grad():
+        pipeline.run(jobs, work)
+    return copied, sum(t.numel() * t.element_size() for t in into.values())
+
+
+def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
+    """Where ``seg``'s kept gradient or values are stored: the master, or, beside a
+    remainder, the parameter itself (2 bytes for bf16)."""
+    if grad:
+        return Region(slot.grad_key, seg.start, seg.stop)
+    return Region(slot.param_key if slot.remainder else slot.master_key, seg.start, seg.stop)
