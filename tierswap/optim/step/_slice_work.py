@@ -454,8 +454,10 @@ def _collect(
     elif slot.has_master:
         # A streamed parameter is read from its master before each use, unless it kept its
         # values (device_budget): then they are updated as any parameter's.
-        if not slot.streamed or slot.param.untyped_storage().nbytes() > 0:
+        if not slot.streamed:
             flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
+        elif slot.param.untyped_storage().nbytes() > 0:  # not an edit: .data moves no version
+            flat(slot.param.data)[seg.start : seg.stop].copy_(target.view(-1))
         writes[_region(slot.master_key, seg)] = target.view(-1)
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)
@@ -515,7 +517,7 @@ def _split_master(
     if slot.streamed:  # the stored parameter is the only copy: written every step
         writes[_region(slot.param_key, seg)] = param
         if slot.param.untyped_storage().nbytes() > 0:  # kept between uses: updated too
-            flat(slot.param)[seg.start : seg.stop].copy_(param)
+            flat(slot.param.data)[seg.start : seg.stop].copy_(param)  # not an edit (.data)
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = param.detach()
     return writes

@@ -19,10 +19,11 @@ while their modules run, and the swap space keeps their values.
 
 from __future__ import annotations
 
+from tierswap.optim.stream._hooks import check_owned
 from tierswap.optim.stream._meta import Placed, has_meta, initialize, place, place_model
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import to_meta
-from tierswap.optim.stream._stream import ParameterStream, check_owned
+from tierswap.optim.stream._stream import ParameterStream
 
 __all__ = [
     "OffloadedGradient",

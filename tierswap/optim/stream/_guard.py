@@ -19,9 +19,14 @@ unless its result is a view of them. The optimizer's own work on parameters that
 runs without gradients, so it is not seen. The operation itself runs as on a plain
 parameter: its results are plain tensors.
 
-``detach()`` is metadata here: ``model.state_dict()`` detaches every parameter before the
-optimizer's hook puts their values in, and must not read them all; a parameter detached
-between uses is an alias of no memory, as before.
+``detach()`` and ``.data`` read nothing: ``model.state_dict()`` detaches every parameter
+before the optimizer's hook puts their values in, and must not read them all. What they
+return is a :class:`StreamedAlias`, guarded as the parameter is.
+
+An operation that writes into a parameter's values outside the optimizer (an init, a clamp,
+an average copied back) moves its version counter (or, through ``.data``, the alias's, which
+the guard reports): the stream writes such values as the masters before it frees them or a
+step reads the masters (:meth:`~tierswap.optim.stream.ParameterStream.edited`).
 
 A copy of a streamed parameter (``copy.deepcopy``, pickling, ``torch.save``: of the model, for
 an EMA or ``torch.optim.swa_utils.AveragedModel``, or of the parameter) is a plain
@@ -74,6 +79,10 @@ class ValueUser(Protocol):
         """A CPU copy of the values of slot ``index``'s parameter (it gets no memory)."""
         ...
 
+    def edited(self, index: int) -> None:
+        """An operation wrote into slot ``index``'s parameter's values through an alias."""
+        ...
+
 
 class Guarded(torch.Tensor):
     """A tensor whose values the stream of ``_tierswap_stream`` (slot ``_tierswap_slot``)
@@ -89,15 +98,15 @@ class Guarded(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if not _reads_values(func):
                 result = func(*args, **kwargs)
-                if getattr(func, "__name__", "") == "detach" and isinstance(args[0], Guarded):
+                if _aliases(func) and isinstance(args[0], Guarded):
                     return _alias(result, args[0])
                 return result
+            guarded = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Guarded)]
+            versions = [t._version for t in guarded]
             lent: list[tuple[Guarded, ValueUser]] = []
             viewed: list[bool] = []
             try:
-                for leaf in tree_leaves((args, kwargs)):
-                    if not isinstance(leaf, Guarded):
-                        continue
+                for leaf in guarded:
                     saved = torch.is_grad_enabled() and leaf.requires_grad
                     stream = leaf._stream() if saved or _empty(leaf) else None
                     if stream is not None and stream.use(leaf._tierswap_slot, saved=saved):
@@ -106,6 +115,7 @@ class Guarded(torch.Tensor):
                 viewed = [_views(result, tensor) for tensor, _ in lent]
                 return result
             finally:
+                _report_edits(guarded, versions)
                 for (tensor, stream), view in zip(lent, viewed or [False] * len(lent), strict=True):
                     stream.used(tensor._tierswap_slot, viewed=view)
 
@@ -163,9 +173,28 @@ class StreamedParameter(Guarded, torch.nn.Parameter):
 
 
 class StreamedAlias(Guarded):
-    """What ``detach()`` of a :class:`StreamedParameter` returns: an alias of its memory, so
-    it holds values exactly when the parameter does, and reads them as the parameter does
-    (``torch.optim.swa_utils.AveragedModel`` reads ``p.detach()`` of each parameter)."""
+    """What ``detach()`` or ``.data`` of a :class:`StreamedParameter` returns: an alias of
+    its memory, so it holds values exactly when the parameter does, and reads them as the
+    parameter does (``torch.optim.swa_utils.AveragedModel`` reads ``p.detach()`` of each
+    parameter; older code clamps or fills ``p.data``)."""
+
+
+def _aliases(func: Any) -> bool:
+    """Whether ``func`` (a metadata function) returns an alias of the values: ``detach()``,
+    or the getter of ``.data``."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(func.__self__, "__name__", "") == "data"
+    return name == "detach"
+
+
+def _report_edits(guarded: list[Guarded], versions: list[int]) -> None:
+    """Tell the stream of each of ``guarded`` whose version moved from ``versions`` (an
+    in-place operation wrote into it) about the edit: an alias through ``.data`` has a
+    version counter of its own, which the stream does not see."""
+    for tensor, version in zip(guarded, versions, strict=True):
+        if tensor._version != version and (stream := tensor._tierswap_stream()) is not None:
+            stream.edited(tensor._tierswap_slot)
 
 
 def _alias(tensor: torch.Tensor, of: Guarded) -> StreamedAlias:

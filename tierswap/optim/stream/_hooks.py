@@ -1,8 +1,9 @@
-"""The module hooks of a :class:`~tierswap.optim.stream.ParameterStream`: forward, the
-outputs' gradients (backward reaching a module), ``load_state_dict`` and the model's
-``state_dict``. Each holds the stream weakly, so a dropped optimizer leaves nothing behind in
-the model. A copy of the model (``copy.deepcopy``, pickling, ``torch.save``) carries copies of
-the hooks that do nothing: the copy's parameters are plain ones that hold their values.
+"""The module hooks of a :class:`~tierswap.optim.stream.ParameterStream`: which modules it
+hooks (the model and the owners of streamed parameters), and the hooks: forward, the outputs'
+gradients (backward reaching a module), ``load_state_dict`` and the model's ``state_dict``.
+Each holds the stream weakly, so a dropped optimizer leaves nothing behind in the model. A
+copy of the model (``copy.deepcopy``, pickling, ``torch.save``) carries copies of the hooks
+that do nothing: the copy's parameters are plain ones that hold their values.
 
 Private to :mod:`tierswap.optim.stream`.
 """
@@ -15,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierswap.errors import ConfigError
+from tierswap.optim.plan import Slot
+
 if TYPE_CHECKING:
     from tierswap.optim.stream._stream import ParameterStream
 
-__all__ = ["hook_modules"]
+__all__ = ["check_owned", "hook_modules", "owners"]
 
 
 def hook_modules(
@@ -102,3 +106,32 @@ def _filled_state_dict(
     for name, index in stream.names_of(module).items():
         if prefix + name in state_dict:
             state_dict[prefix + name] = stream.read_values(index)
+
+
+def owners(
+    model: torch.nn.Module, slot_of: dict[int, Slot]
+) -> list[tuple[torch.nn.Module, list[int]]]:
+    """``model`` and each module of it that owns streamed parameters, with their slot
+    indices."""
+    owners = []
+    for module in model.modules():
+        owned = [
+            slot_of[id(p)].index
+            for p in module.parameters(recurse=False)
+            if id(p) in slot_of and slot_of[id(p)].streamed
+        ]
+        if owned or module is model:
+            owners.append((module, owned))
+    return owners
+
+
+def check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
+    """Raise ``ConfigError`` unless every parameter the optimizer streams is ``model``'s (its
+    modules' hooks are what read a streamed parameter)."""
+    owned = {id(param) for param in model.parameters()}
+    strays = [slot.name or slot.prefix for slot in slots if id(slot.param) not in owned]
+    if strays:
+        raise ConfigError(
+            f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
+            "with offload_parameters=True every parameter must be one (its module reads it)"
+        )

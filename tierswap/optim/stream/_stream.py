@@ -32,6 +32,10 @@ those used latest first, until it fits beside them; the step updates a kept para
 so it is read no more. Parameters in use are never freed: a module larger than the budget
 takes its own size.
 
+Values written into a parameter outside the optimizer (an init, a clamp: its ``_version``
+moves, or its guard reports an edit through ``.data``) are written as its master before it
+is freed or a step reads the masters, as a load's are.
+
 ``model.state_dict()`` reads the values from the swap space; ``model.load_state_dict()`` gives
 each module's parameters their values while it loads and writes what was loaded as their
 masters. A ``master="remainder"`` slot's values are its stored bf16 parameter (2 bytes an
@@ -62,16 +66,15 @@ import torch
 from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
-from tierswap.errors import ConfigError
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import Slot
 from tierswap.optim.stream._guard import guard, unguard
-from tierswap.optim.stream._hooks import before_backward, hook_modules
+from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
 from tierswap.optim.stream._swap import keep_grad, read_into, read_job, segments
 
-__all__ = ["PREFETCH_MODULES", "ParameterStream", "check_owned"]
+__all__ = ["PREFETCH_MODULES", "ParameterStream"]
 
 #: Modules whose parameters are read ahead of the one in use.
 PREFETCH_MODULES = 2
@@ -94,9 +97,11 @@ class ParameterStream:
         self._meta_born = set(meta_born)
         #: The model and each module that owns streamed parameters, with the slot indices of
         #: those and of the ones it borrows (:meth:`use`).
-        self._modules = _owners(model, parts.layout.slot_of)
+        self._modules = owners(model, parts.layout.slot_of)
         self._model = weakref.ref(model)
         self._live: set[int] = set()  # slots whose parameter holds its values now
+        self._versions: dict[int, int] = {}  # each live parameter's _version when it got them
+        self._edited: set[int] = set()  # live slots written through an alias (``.data``)
         self._users: Counter[int] = Counter()  # forwards running that use each slot
         self._running: list[int] = []  # modules whose forward runs, the innermost last
         self._loose: set[int] = set()  # slots used outside forward: held until backward ends
@@ -145,7 +150,7 @@ class ParameterStream:
         self.drop_ahead()
         self._free(self._kept)
         self._kept.clear()
-        self._modules = _owners(model, self.parts.layout.slot_of)
+        self._modules = owners(model, self.parts.layout.slot_of)
         self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
         self._sizes.clear()  # the layout's slots are numbered anew
         for slot in slots:
@@ -354,6 +359,7 @@ class ParameterStream:
         self.drop_ahead()
         if self._loose:
             self._let_go(self._release_loose())
+        self._keep_edits(list(self._live))  # the step reads the masters, updates the values
         if self._recording:
             self._recording = False
             for position, module in enumerate(self._order):
@@ -383,14 +389,14 @@ class ParameterStream:
         with torch.no_grad():  # the optimizer's own read of the values: not a use
             for index in owned:
                 write_master(self.parts, self._slot(index))
-        self._free(owned)
+        self._free(owned, keep_edits=False)
 
     def reset(self) -> None:
         """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
         self.drop_ahead()
         self._release_loose()
         self._kept.clear()
-        self._free(list(self._live))
+        self._free(list(self._live), keep_edits=False)
 
     def stats(self) -> dict[str, Any]:
         """What streaming did: parameters streamed, bytes read from the store and copied from
@@ -445,6 +451,7 @@ class ParameterStream:
                 free(self._slot(index).param)
             raise
         self._live.update(missing)
+        self._versions.update((i, self._slot(i).param._version) for i in missing)
         self.live_bytes += sum(self._bytes(i) for i in missing)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
@@ -475,13 +482,46 @@ class ParameterStream:
         later = [u for u in uses if u >= self._cursor]
         return (later[0] if later else uses[0] + cycle) - self._cursor if uses else 2 * cycle
 
-    def _free(self, indices: Iterable[int]) -> None:
-        for index in indices:
-            if index in self._live:
-                param = self._slot(index).param
-                free(param)
-                self._live.discard(index)
-                self.live_bytes -= self._bytes(index)
+    def _free(self, indices: Iterable[int], *, keep_edits: bool = True) -> None:
+        """Free the parameters of slots ``indices`` that hold values, first writing the
+        values written into since they were read as their masters (``keep_edits``)."""
+        live = [i for i in indices if i in self._live]
+        if keep_edits:
+            self._keep_edits(live)
+        for index in live:
+            free(self._slot(index).param)
+            self._live.discard(index)
+            self._versions.pop(index, None)
+            self._edited.discard(index)
+            self.live_bytes -= self._bytes(index)
+
+    def edited(self, index: int) -> None:
+        """An operation wrote into the values of slot ``index``'s parameter through an alias
+        with a version counter of its own (``.data``; its
+        :class:`~tierswap.optim.stream._guard.StreamedAlias` saw it)."""
+        if index in self._live:
+            self._edited.add(index)
+
+    def _keep_edits(self, indices: list[int]) -> None:
+        """Write the values of the live parameters of ``indices`` that were written into
+        since they were read (an in-place op outside the optimizer: an init, a clamp, an
+        average copied back; the parameter's ``_version`` moved, or :meth:`edited`) as their
+        masters, as a load's are: the store must hold the newest masters alone, so resident
+        slices are written back and dropped first (edits are rare)."""
+        edited = [
+            i
+            for i in indices
+            if i in self._edited or self._slot(i).param._version != self._versions.get(i)
+        ]
+        if not edited:
+            return
+        self.drop_ahead()
+        self.parts.backend.pipeline.evict()
+        with torch.no_grad():  # the optimizer's own read of the values: not a use
+            for index in edited:
+                write_master(self.parts, self._slot(index), keep_remainder=True)
+                self._versions[index] = self._slot(index).param._version
+        self._edited.difference_update(edited)
 
     # -- the order of uses -------------------------------------------------------------------
     def _used(self, position: int) -> None:
@@ -541,32 +581,3 @@ def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
     else:
         norm = torch.linalg.vector_norm(grad, ord)
     return norm
-
-
-def _owners(
-    model: torch.nn.Module, slot_of: dict[int, Slot]
-) -> list[tuple[torch.nn.Module, list[int]]]:
-    """``model`` and each module of it that owns streamed parameters, with their slot
-    indices."""
-    owners = []
-    for module in model.modules():
-        owned = [
-            slot_of[id(p)].index
-            for p in module.parameters(recurse=False)
-            if id(p) in slot_of and slot_of[id(p)].streamed
-        ]
-        if owned or module is model:
-            owners.append((module, owned))
-    return owners
-
-
-def check_owned(model: torch.nn.Module, slots: list[Slot]) -> None:
-    """Raise ``ConfigError`` unless every parameter the optimizer streams is ``model``'s (its
-    modules' hooks are what read a streamed parameter)."""
-    owned = {id(param) for param in model.parameters()}
-    strays = [slot.name or slot.prefix for slot in slots if id(slot.param) not in owned]
-    if strays:
-        raise ConfigError(
-            f"parameters {strays[:4]} (of {len(strays)}) are not parameters of the model; "
-            "with offload_parameters=True every parameter must be one (its module reads it)"
-        )
