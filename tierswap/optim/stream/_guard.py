@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -101,7 +102,9 @@ class Guarded(torch.Tensor):
                 if _aliases(func) and isinstance(args[0], Guarded):
                     return _alias(result, args[0])
                 return result
-            guarded = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Guarded)]
+            guarded: list[Guarded] = []
+            _find_guarded(args, guarded)
+            _find_guarded(kwargs.values(), guarded)
             versions = [t._version for t in guarded]
             lent: list[tuple[Guarded, ValueUser]] = []
             viewed: list[bool] = []
@@ -177,6 +180,19 @@ class StreamedAlias(Guarded):
     its memory, so it holds values exactly when the parameter does, and reads them as the
     parameter does (``torch.optim.swa_utils.AveragedModel`` reads ``p.detach()`` of each
     parameter; older code clamps or fills ``p.data``)."""
+
+
+def _find_guarded(values: Iterable[Any], found: list[Guarded]) -> None:
+    """Append the guarded tensors among ``values`` (nested in tuples, lists and dicts, as a
+    torch function's arguments are) to ``found`` (pytree's general walk costs more than the
+    operation on small layers)."""
+    for value in values:
+        if isinstance(value, Guarded):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            _find_guarded(value, found)
+        elif isinstance(value, dict):
+            _find_guarded(value.values(), found)
 
 
 def _aliases(func: Any) -> bool:

@@ -269,6 +269,8 @@ class ParameterStream:
         backward. Outside any forward, a use that autograd may save (or one in backward)
         keeps it in use until backward ends or a step begins; another one borrows its values
         for the operation (:meth:`used`)."""
+        if self._users[index] > 0 and index in self._live:  # a running module's: the most
+            return False
         if self._users[index] <= 0:
             if self._running:
                 self._modules[self._running[-1]][1].append(index)
