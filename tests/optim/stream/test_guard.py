@@ -16,7 +16,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.optim.models import batch_for_step
-from tierswap.errors import StoreClosedError
+from tierswap.errors import ConfigError, StoreClosedError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.step import _memory
 from tierswap.optim.stream._guard import StreamedParameter
@@ -227,6 +227,10 @@ EDITS: dict[str, Callable[[torch.nn.Module], object]] = {
     "data": lambda m: m.mid.weight.data.clamp_(-0.05, 0.05),  # WGAN's clipping
     "detach": lambda m: m.inp.bias.detach().add_(1.0),
     "copy": lambda m: m.mid.bias.copy_(torch.linspace(-1, 1, 16)),
+    "set_data": lambda m: setattr(m.inp.bias, "data", torch.linspace(0, 1, 16)),
+    "vector": lambda m: torch.nn.utils.vector_to_parameters(
+        torch.nn.utils.parameters_to_vector(m.parameters()).mul(0.9), m.parameters()
+    ),
 }
 
 
@@ -286,3 +290,23 @@ def test_an_edit_of_bf16_values_keeps_the_remainder_as_in_memory(tmp_path: Path)
             assert torch.equal(value, expected[key]), (step, key)
     for opt in opts:
         opt.close()
+
+
+def test_the_data_of_another_dtype_is_refused_and_the_values_stay(tmp_path: Path) -> None:
+    """``model.half()`` sets each parameter's ``.data`` to a cast copy: a streamed parameter
+    keeps its own memory and dtype, so it refuses, and training goes on from the stored
+    values."""
+    vector = torch.zeros(16)
+
+    def cast(ref: torch.nn.Module, model: torch.nn.Module, _: SwapOptimizer) -> None:
+        with pytest.raises(ConfigError, match="another shape, dtype or device"):
+            model.half()
+        with pytest.raises(ConfigError):
+            model.mid.bias.data = torch.zeros(4)
+        with torch.no_grad():
+            ref.inp.bias.data = vector.clone()  # torch's parameter takes the memory given
+            model.inp.bias.data = vector  # copied in: the stream never frees the caller's
+
+    _, opt = _train_pair(tmp_path, Borrowing, 3, between=cast)
+    assert torch.equal(vector, torch.zeros(16))
+    opt.close()

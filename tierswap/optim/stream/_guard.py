@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_leaves
 
-from tierswap.errors import StoreClosedError
+from tierswap.errors import ConfigError, StoreClosedError
 
 __all__ = ["Guarded", "StreamedAlias", "StreamedParameter", "guard", "unguard"]
 
@@ -98,6 +98,8 @@ class Guarded(torch.Tensor):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             if not _reads_values(func):
+                if _property(func) == ("data", "__set__") and isinstance(args[0], Guarded):
+                    return _set_data(args[0], args[1])
                 result = func(*args, **kwargs)
                 if _aliases(func) and isinstance(args[0], Guarded):
                     return _alias(result, args[0])
@@ -198,10 +200,39 @@ def _find_guarded(values: Iterable[Any], found: list[Guarded]) -> None:
 def _aliases(func: Any) -> bool:
     """Whether ``func`` (a metadata function) returns an alias of the values: ``detach()``,
     or the getter of ``.data``."""
+    return getattr(func, "__name__", "") == "detach" or _property(func) == ("data", "__get__")
+
+
+def _property(func: Any) -> tuple[str, str] | None:
+    """The property and ``"__get__"`` or ``"__set__"``, when ``func`` is a property's."""
     name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(func.__self__, "__name__", "") == "data"
-    return name == "detach"
+    if name in ("__get__", "__set__"):
+        return getattr(func.__self__, "__name__", ""), name
+    return None
+
+
+def _set_data(tensor: Guarded, value: Any) -> None:
+    """``tensor.data = value`` (``torch.nn.utils.vector_to_parameters``, ``module.to()``):
+    the values are copied in, since a streamed parameter's memory is its own (the stream
+    frees and refills it: taking ``value``'s would free the caller's); a change of shape,
+    dtype or device raises ``ConfigError``, and the stored values stay as they were."""
+    if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+        tensor.shape, tensor.dtype, tensor.device
+    ):  # fmt: skip
+        what = (
+            (value.shape, value.dtype, value.device) if isinstance(value, torch.Tensor) else value
+        )
+        raise ConfigError(
+            f"a streamed parameter ({tuple(tensor.shape)}, {tensor.dtype}, {tensor.device}) "
+            f"cannot take .data of another shape, dtype or device {what}: move or cast the "
+            "model before the SwapOptimizer takes it, or after its close()"
+        )
+    if isinstance(value, Guarded) and (value._tierswap_stream(), value._tierswap_slot) == (
+        tensor._tierswap_stream(), tensor._tierswap_slot
+    ):  # fmt: skip
+        return  # its own values (``p.data = p.data``)
+    with torch.no_grad():  # through the guard: values lent, the edit reported
+        Guarded.__torch_function__(torch.Tensor.copy_, (), (tensor, value))
 
 
 def _report_edits(guarded: list[Guarded], versions: list[int]) -> None:

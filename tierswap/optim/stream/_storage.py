@@ -31,7 +31,8 @@ def free(param: torch.Tensor) -> None:
     resized: the parameter first gets a storage of its own (before any use, while nothing
     else views it)."""
     if not param.untyped_storage().resizable():
-        param.data = torch.empty_like(param, memory_format=torch.contiguous_format)
+        with torch._C.DisableTorchFunctionSubclass():  # not a user's .data: no guard's copy
+            param.data = torch.empty_like(param, memory_format=torch.contiguous_format)
     param.untyped_storage().resize_(0)
 
 
