@@ -310,3 +310,27 @@ def test_the_data_of_another_dtype_is_refused_and_the_values_stay(tmp_path: Path
     _, opt = _train_pair(tmp_path, Borrowing, 3, between=cast)
     assert torch.equal(vector, torch.zeros(16))
     opt.close()
+
+
+class Tagged(torch.nn.Parameter):
+    """A subclass of ``Parameter`` that leaves ``__torch_function__`` to torch (as libraries
+    tag parameters)."""
+
+
+class TaggedBorrowing(Borrowing):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp.weight = Tagged(self.inp.weight.detach())
+
+
+def test_a_parameter_of_a_subclass_is_guarded_and_gets_its_class_back(tmp_path: Path) -> None:
+    model, opt = _train_pair(tmp_path, TaggedBorrowing, 3)  # the root's forward uses inp.weight
+    weight = model.inp.weight
+    assert isinstance(weight, StreamedParameter)
+    assert isinstance(weight, Tagged)
+    assert type(copy.deepcopy(model).inp.weight) is Tagged
+    opt.close()
+    assert type(weight) is Tagged
+    assert all(
+        type(p) is torch.nn.Parameter for n, p in model.named_parameters() if n != "inp.weight"
+    )

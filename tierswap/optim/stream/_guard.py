@@ -39,6 +39,7 @@ Private to :mod:`tierswap.optim.stream`.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -161,10 +162,14 @@ class Guarded(torch.Tensor):
 
 
 class StreamedParameter(Guarded, torch.nn.Parameter):
-    """A ``torch.nn.Parameter`` streamed by the optimizer (:func:`guard`)."""
+    """A ``torch.nn.Parameter`` streamed by the optimizer (:func:`guard`); a subclass of
+    ``Parameter`` gets a class of its own, made by :func:`_streamed_class`."""
+
+    #: The class the parameter had, and gets back when the optimizer closes.
+    _tierswap_plain: type[torch.nn.Parameter] = torch.nn.Parameter
 
     def _copy(self, values: torch.Tensor, state: dict[str, Any]) -> torch.nn.Parameter:
-        param = torch.nn.Parameter(values, self.requires_grad)
+        param = self._tierswap_plain(values, self.requires_grad)  # as torch's deepcopy calls it
         param.__dict__.update(state)
         return param
 
@@ -284,17 +289,33 @@ def _views(result: Any, tensor: torch.Tensor) -> bool:
 
 
 def guard(param: torch.Tensor, stream: ValueUser, index: int) -> None:
-    """Make ``param`` (a plain ``torch.nn.Parameter``: other classes stay as they are) a
-    :class:`StreamedParameter` of slot ``index`` of ``stream``."""
-    if type(param) is torch.nn.Parameter:
-        param.__class__ = StreamedParameter
+    """Make ``param`` a :class:`StreamedParameter` of slot ``index`` of ``stream``: a
+    ``torch.nn.Parameter``, or a subclass of it that leaves ``__torch_function__`` to torch
+    (one with its own stays as it is: two guards cannot both see its operations)."""
+    cls = type(param)
+    if isinstance(param, torch.nn.Parameter) and not isinstance(param, StreamedParameter):
+        if cls.__torch_function__ is not torch.nn.Parameter.__torch_function__:
+            return
+        try:
+            param.__class__ = _streamed_class(cls)
+        except TypeError:  # a layout of its own (__slots__): it stays as it is
+            return
     if isinstance(param, StreamedParameter):
         param._tierswap_stream = weakref.ref(stream)
         param._tierswap_slot = index
 
 
+@functools.cache
+def _streamed_class(cls: type[torch.nn.Parameter]) -> type[StreamedParameter]:
+    """The :class:`StreamedParameter` class of parameters of class ``cls``."""
+    if cls is torch.nn.Parameter:
+        return StreamedParameter
+    name = f"Streamed{cls.__name__}"
+    return type(name, (StreamedParameter, cls), {"_tierswap_plain": cls})
+
+
 def unguard(param: torch.Tensor) -> None:
-    """Make ``param`` a plain ``torch.nn.Parameter`` again."""
-    if type(param) is StreamedParameter:
-        param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
+    """Give ``param`` its class back."""
+    if isinstance(param, StreamedParameter):
+        param.__class__ = type(param)._tierswap_plain  # type: ignore[assignment]
         del param._tierswap_stream, param._tierswap_slot
