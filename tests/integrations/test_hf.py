@@ -124,13 +124,20 @@ def _split_snapshot(snap: Path, live: Path) -> tuple[int, int]:
     return private, shared
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_checkpoints_hold_snapshots_and_resume_bit_exact(
-    tmp_path, monkeypatch, no_gathering
+    tmp_path, monkeypatch, no_gathering, stream
 ) -> None:
+    """With ``stream`` the parameters live in the swap folder too: the Trainer saves the model
+    from its state dict (read from there), the snapshot holds them, and the resumed run reads
+    them back."""
     example = _example()
     _, plain_model = example.train(None, steps=6, output_dir=tmp_path / "plain", model_kwargs=TINY)
 
-    run = {"steps": 6, "host_budget": "256KiB", "model_kwargs": TINY, "save_steps": 2}
+    run = {
+        "steps": 6, "host_budget": "256KiB", "model_kwargs": TINY, "save_steps": 2,
+        "stream": stream,
+    }  # fmt: skip
     full, full_model = example.train(
         tmp_path / "swap", output_dir=tmp_path / "out", save_total_limit=2, **run
     )
