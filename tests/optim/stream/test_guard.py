@@ -334,3 +334,25 @@ def test_a_parameter_of_a_subclass_is_guarded_and_gets_its_class_back(tmp_path: 
     assert all(
         type(p) is torch.nn.Parameter for n, p in model.named_parameters() if n != "inp.weight"
     )
+
+
+def test_a_compiled_model_streams_bitwise(tmp_path: Path) -> None:
+    """Dynamo does not trace into the guard (it recursed until the stack ran out): each
+    operation on a streamed parameter is a graph break, and training is torch's."""
+    torch.manual_seed(0)
+    ref = Borrowing()
+    model = copy.deepcopy(ref)
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, offload_parameters=True, **KWARGS
+    )
+    compiled = torch.compile(model, backend="aot_eager")  # its autograd traced, no C++ build
+    for step in range(3):
+        for m, o in ((ref, plain), (compiled, opt)):
+            m(batch_for_step(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        expected = ref.state_dict()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, expected[key]), (step, key)
+    opt.close()

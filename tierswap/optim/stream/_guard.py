@@ -95,6 +95,7 @@ class Guarded(torch.Tensor):
     _tierswap_slot: int
 
     @classmethod
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
