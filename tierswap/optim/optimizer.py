@@ -326,7 +326,7 @@ class SwapOptimizer(Assembly):
         if not set_to_none:
             self._settle()
         self._stepper.gradients_dropped()
-        self._state.grad_scales.clear()
+        self._state.grad_edits.clear()
         if self._stream is not None:  # kept gradients are dropped, never zeroed in place
             for slot in self._layout.slots:
                 if slot.keeps_grad:

@@ -342,6 +342,33 @@ def test_a_failed_read_raises_and_leaves_the_parameters_free(tmp_path: Path) -> 
     assert_same_params(ref, model)
 
 
+def test_clipping_by_value_is_recorded_and_applied_as_torch_applies_it(tmp_path: Path) -> None:
+    """``clip_grad_value_`` (Lightning's ``gradient_clip_algorithm="value"``) clamps each kept
+    gradient, the foreach clamps do the same, and a norm taken after them is the clamped
+    gradient's; training stays bitwise."""
+    ref, model, plain, opt = _streaming(tmp_path)
+    for step in range(3):
+        for m in (ref, model):
+            m(batch_for_step(step)).square().mean().backward()
+            torch.nn.utils.clip_grad_value_(m.parameters(), 0.004)
+        grads = [[p.grad for p in m.parameters()] for m in (ref, model)]
+        for g in grads:
+            torch._foreach_clamp_min_(g, -0.003)
+            torch._foreach_clamp_max_(g, 0.002)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        assert torch.equal(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01), want)
+        for o in (plain, opt):
+            o.step()
+            o.zero_grad()
+        assert_same_params(ref, model)
+    model(batch_for_step(0)).sum().backward()
+    grad = next(model.parameters()).grad
+    assert grad is not None
+    with pytest.raises(GradientOffloadedError):  # a bound that is a whole tensor
+        grad.clamp_(min=torch.zeros(3))
+    opt.close()
+
+
 def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
     _, model = _pair()
     with pytest.raises(ConfigError, match="needs the model"):

@@ -44,7 +44,7 @@ class StepState:
     changed: bool = False
     #: Factors each gradient kept in the swap space (by slot) is multiplied by before the
     #: next step reads it (clipping, with ``offload_parameters``), in order.
-    grad_scales: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    grad_edits: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
 
     def holds_state(self) -> bool:
         """Whether any slot has state (per-element or scalar)."""
@@ -74,7 +74,7 @@ class StepState:
             write_params=write_params,
             create=create,
             chunk_bytes=chunk_bytes,
-            grad_scales={i: tuple(f) for i, f in self.grad_scales.items()},
+            grad_edits={i: tuple(f) for i, f in self.grad_edits.items()},
         )
 
     def restore(

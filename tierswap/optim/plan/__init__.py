@@ -31,14 +31,16 @@ from tierswap.optim.plan._partition import (
 )
 from tierswap.optim.plan._probe import check_class, own_defaults
 from tierswap.optim.plan._slots import group_slots, inner_for
-from tierswap.optim.plan._step_plan import StepPlan
+from tierswap.optim.plan._step_plan import GradClamp, StepPlan, apply_grad_edits
 
 __all__ = [
     "Layout",
     "Segment",
     "Slice",
+    "GradClamp",
     "Slot",
     "StepPlan",
+    "apply_grad_edits",
     "array_chunk_bytes",
     "check_class",
     "check_first_steps",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepPlan"]
+__all__ = ["GradClamp", "StepPlan", "apply_grad_edits"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,34 @@ class StepPlan:
     #: Each live slot's gradient as ``step()`` saw it (a step that runs on after ``step()``
     #: returned); ``None``: read ``param.grad`` when the slice steps.
     grads: dict[int, torch.Tensor | None] | None = None
-    #: Factors a gradient read from the swap space (a streamed parameter's, by slot) is
-    #: multiplied by, in order, before it steps: what clipping does to gradients in memory.
-    grad_scales: dict[int, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    #: What a gradient read from the swap space (a streamed parameter's, by slot) gets, in
+    #: order, before it steps (:func:`apply_grad_edits`): what clipping and unscaling did to
+    #: the gradients in memory.
+    grad_edits: dict[int, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradClamp:
+    """A clamp of a gradient into ``[low, high]`` in place (a bound may be ``None``): what
+    ``torch.nn.utils.clip_grad_value_`` does to each gradient."""
+
+    low: Any = None
+    high: Any = None
+
+
+def apply_grad_edits(grad: torch.Tensor, edits: tuple[Any, ...] | list[Any]) -> torch.Tensor:
+    """Apply ``edits`` to ``grad`` in place, in order, with the operations torch applied to
+    a gradient in memory: a number or one-element tensor multiplies it (clipping by norm, a
+    ``GradScaler``'s unscale), a :class:`GradClamp` clamps it (clipping by value)."""
+    for edit in edits:
+        if isinstance(edit, GradClamp):
+            low, high = (_on(bound, grad.device) for bound in (edit.low, edit.high))
+            grad.clamp_(min=low, max=high)
+        else:
+            grad.mul_(_on(edit, grad.device))
+    return grad
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """``value`` on ``device`` when it is a tensor."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -39,6 +39,7 @@ from tierswap.optim.plan import (
     Slice,
     Slot,
     StepPlan,
+    apply_grad_edits,
     array_chunk_bytes,
     flat,
     local_tensor,
@@ -295,10 +296,9 @@ def _target(
 ) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
-    if slot.keeps_grad:  # read with the slice, scaled in place as clipping scales a gradient
+    if slot.keeps_grad:  # read with the slice, edited in place as clipping edits a gradient
         grad = _shaped(slot, tensors[_region(slot.grad_key, seg)])
-        for factor in plan.grad_scales.get(slot.index, ()):
-            grad.mul_(factor.to(grad.device) if torch.is_tensor(factor) else factor)
+        apply_grad_edits(grad, plan.grad_edits.get(slot.index, ()))
     else:
         whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
         assert whole_grad is not None  # plan.live holds only slots whose gradient is final

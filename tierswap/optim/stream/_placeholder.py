@@ -9,7 +9,10 @@ noted as backward finalized the gradient, else the gradient read back), and mult
 gradient by the clipping factor in place, which the stand-in records for the step to apply
 as it reads the gradient. A ``GradScaler``'s unscale works the same way: whether each gradient
 is finite is noted in backward (read back the first time a scaler asks), and its factor is
-recorded. Any other operation (an edit, a read of the values) raises
+recorded. Clipping by value (``torch.nn.utils.clip_grad_value_``, Lightning's
+``gradient_clip_algorithm="value"``) clamps each gradient in place: the clamp is recorded in
+turn, and a norm asked after it is computed on the gradient read back. Any other operation
+(an edit, a read of the values) raises
 :class:`~tierswap.errors.GradientOffloadedError`: it would not see the gradient, and must not
 silently do nothing.
 """
@@ -31,6 +34,20 @@ _SCALES = {_aten.mul_.Tensor, _aten.mul_.Scalar}
 _LIST_SCALES = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
 #: A ``GradScaler``'s unscale of a list of gradients, checking them for inf and NaN.
 _UNSCALE = _aten._amp_foreach_non_finite_check_and_unscale_.default
+#: In-place clamps (``clip_grad_value_``): op -> which bounds its arguments after the gradient
+#: give.
+_CLAMPS = {
+    _aten.clamp_.default: ("min", "max"),
+    _aten.clamp_.Tensor: ("min", "max"),
+    _aten.clamp_min_.default: ("min",),
+    _aten.clamp_min_.Tensor: ("min",),
+    _aten.clamp_max_.default: ("max",),
+    _aten.clamp_max_.Tensor: ("max",),
+}
+_LIST_CLAMPS = {
+    _aten._foreach_clamp_min_.Scalar: ("min",),
+    _aten._foreach_clamp_max_.Scalar: ("max",),
+}
 
 
 class GradientKeeper(Protocol):
@@ -48,6 +65,10 @@ class GradientKeeper(Protocol):
         """Whether slot ``index``'s kept gradient, scaled as recorded, is all finite."""
         ...
 
+    def clamp_grad(self, index: int, low: Any, high: Any) -> None:
+        """Record that slot ``index``'s kept gradient is clamped into ``[low, high]``."""
+        ...
+
 
 class OffloadedGradient(torch.Tensor):
     """The stand-in gradient of the parameter of slot ``index``, whose gradient ``keeper``
@@ -55,9 +76,9 @@ class OffloadedGradient(torch.Tensor):
 
     _MESSAGE: ClassVar[str] = (
         "this gradient lives in the swap space (offload_parameters=True keeps gradients off "
-        "the model), so {op} would not see it; clipping (torch.nn.utils.clip_grad_norm_ or "
-        "opt.clip_grad_norm_) and a GradScaler's unscale work, other uses of param.grad are "
-        "not supported with offload_parameters yet"
+        "the model), so {op} would not see it; clipping (torch.nn.utils.clip_grad_norm_, "
+        "opt.clip_grad_norm_, clip_grad_value_) and a GradScaler's unscale work, other uses "
+        "of param.grad are not supported with offload_parameters yet"
     )
 
     _keeper: weakref.ref[GradientKeeper]
@@ -82,6 +103,15 @@ class OffloadedGradient(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         grad: Any = args[0] if args else None
+        if func in _CLAMPS and isinstance(grad, OffloadedGradient):
+            low, high = _bounds(_CLAMPS[func], args[1:], kwargs)
+            grad._keeper_or_raise(func).clamp_grad(grad._index, low, high)
+            return grad
+        if func in _LIST_CLAMPS and _all_offloaded(grad) and len(args) == 2 and not kwargs:
+            low, high = _bounds(_LIST_CLAMPS[func], args[1:], {})
+            for g in grad:
+                g._keeper_or_raise(func).clamp_grad(g._index, low, high)
+            return None
         if _all_offloaded(grad) and not kwargs:  # foreach=True clipping
             if func is _aten._foreach_norm.Scalar and len(args) <= 2:
                 return [g._keeper_or_raise(func).grad_norm(g._index, _ord(args)) for g in grad]
@@ -121,6 +151,19 @@ def _unscale(
             found_inf.fill_(1.0)
     for g in grads:
         g._keeper_or_raise(_UNSCALE).scale_grad(g._index, inv_scale)
+
+
+def _bounds(
+    names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
+    """The (low, high) bounds of a clamp called with ``args`` after the gradient and
+    ``kwargs``, for an op whose bound arguments are ``names``; ``GradientOffloadedError``
+    for a bound that is not a number or a one-element tensor."""
+    given = dict(zip(names, args, strict=False)) | kwargs
+    bounds = given.get("min"), given.get("max")
+    if any(b is not None and not _is_factor(b) for b in bounds) or bounds == (None, None):
+        raise GradientOffloadedError(OffloadedGradient._MESSAGE.format(op="clamp_"))
+    return bounds
 
 
 def _all_offloaded(value: Any) -> bool:

@@ -67,7 +67,7 @@ from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
 from tierswap.optim.persist import OptimizerParts, write_master
-from tierswap.optim.plan import Slot
+from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
 from tierswap.optim.stream._guard import guard, unguard
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
 from tierswap.optim.stream._placeholder import OffloadedGradient
@@ -245,7 +245,7 @@ class ParameterStream:
             with torch.no_grad():
                 if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
                     grad = self._kept_grad(slot.index).add_(grad)
-                self.parts.state.grad_scales.pop(slot.index, None)
+                self.parts.state.grad_edits.pop(slot.index, None)
                 keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
                 self.kept_grad_bytes += grad.numel() * grad.element_size()
                 self.norms[slot.index] = _norm(grad, 2.0)
@@ -324,17 +324,17 @@ class ParameterStream:
     def grad_norm(self, index: int, ord: float) -> torch.Tensor:
         """The ``ord``-norm of slot ``index``'s kept gradient, as torch would compute it on the
         gradient in memory (:func:`_norm`): the 2-norm noted as backward finalized it, or, after
-        a recorded factor or for another norm, computed on the gradient read back."""
-        factors = self.parts.state.grad_scales.get(index)
-        if ord == 2.0 and not factors and index in self.norms:
+        a recorded edit or for another norm, computed on the gradient read back."""
+        edits = self.parts.state.grad_edits.get(index)
+        if ord == 2.0 and not edits and index in self.norms:
             return self.norms[index].clone()
         return _norm(self._kept_grad(index), ord)
 
     def grad_finite(self, index: int) -> bool:
-        """Whether slot ``index``'s kept gradient, scaled as recorded, has no inf or NaN (what
+        """Whether slot ``index``'s kept gradient, edited as recorded, has no inf or NaN (what
         a ``GradScaler``'s unscale checks): noted in backward, or read back (and from then on
         noted in every backward)."""
-        if not self.parts.state.grad_scales.get(index) and index in self.finite:
+        if not self.parts.state.grad_edits.get(index) and index in self.finite:
             return self.finite[index]
         self._note_finite = True
         return bool(torch.isfinite(self._kept_grad(index)).all())
@@ -342,18 +342,21 @@ class ParameterStream:
     def scale_grad(self, index: int, factor: Any) -> None:
         """Record that slot ``index``'s kept gradient is multiplied by ``factor`` in place (the
         step, or a later accumulation, applies it)."""
-        factor = factor.detach().clone() if isinstance(factor, torch.Tensor) else factor
-        self.parts.state.grad_scales.setdefault(index, []).append(factor)
+        self.parts.state.grad_edits.setdefault(index, []).append(_kept(factor))
+
+    def clamp_grad(self, index: int, low: Any, high: Any) -> None:
+        """Record that slot ``index``'s kept gradient is clamped into ``[low, high]`` in place
+        (``torch.nn.utils.clip_grad_value_``; a bound may be ``None``)."""
+        edit = GradClamp(_kept(low), _kept(high))
+        self.parts.state.grad_edits.setdefault(index, []).append(edit)
 
     def _kept_grad(self, index: int) -> torch.Tensor:
-        """Slot ``index``'s kept gradient, read back, with the factors recorded for it
-        applied (they stay recorded: the step applies them to the kept gradient)."""
+        """Slot ``index``'s kept gradient, read back, with the edits recorded for it applied
+        (they stay recorded: the step applies them to the kept gradient)."""
         param = self._slot(index).param
         grad = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         self._read_into({index: grad.view(-1)}, grad=True)
-        for factor in self.parts.state.grad_scales.get(index, ()):
-            grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
-        return grad
+        return apply_grad_edits(grad, self.parts.state.grad_edits.get(index, ()))
 
     def step_begins(self) -> None:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
@@ -572,6 +575,11 @@ class ParameterStream:
             for name, p in model.named_parameters(remove_duplicate=False)
             if id(p) in slot_of and slot_of[id(p)].streamed
         }
+
+
+def _kept(value: Any) -> Any:
+    """A clipping factor or bound as recorded: a tensor copied (the caller may reuse it)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
