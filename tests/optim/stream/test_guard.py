@@ -80,8 +80,8 @@ def _train_pair(
     model = copy.deepcopy(ref)
     plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
     opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=20480,
-        offload_parameters=True, **KWARGS, **options,
+        model, torch.optim.AdamW, swap_dir=tmp_path, offload_parameters=True,
+        **KWARGS, **{"host_budget": 20480, **options},
     )  # fmt: skip
     for step in range(steps):
         for m, o in ((ref, plain), (model, opt)):
@@ -234,10 +234,10 @@ EDITS: dict[str, Callable[[torch.nn.Module], object]] = {
 }
 
 
-@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("where", ["streamed", "kept", "resident"])
 @pytest.mark.parametrize("edit", EDITS)
 def test_values_written_outside_the_optimizer_become_the_masters(
-    tmp_path: Path, edit: str, kept: bool
+    tmp_path: Path, edit: str, where: str
 ) -> None:
     """An in-place write into a streamed parameter between steps (lent its values for the
     operation, or keeping them in ``device_budget``) is what the next step starts from, as
@@ -253,10 +253,12 @@ def test_values_written_outside_the_optimizer_become_the_masters(
             assert torch.equal(value, expected[key]), key
 
     held: list[int] = []
-    budget = {"device_budget": 1 << 20} if kept else {}
-    _, opt = _train_pair(tmp_path, Borrowing, 3, between=write, **budget)
+    budget = {"kept": {"device_budget": 1 << 20}, "resident": {"host_budget": None}}
+    _, opt = _train_pair(tmp_path, Borrowing, 3, between=write, **budget.get(where, {}))
+    resident = bool(opt.placement)
     opt.close()
-    assert (max(held) > 0) == kept  # kept: they held their values between steps (after the first)
+    assert (max(held) > 0) == (where == "kept")  # they held their values between steps
+    assert resident == (where == "resident")  # the slices stay in memory: the edit goes there
 
 
 def test_an_edit_of_bf16_values_keeps_the_remainder_as_in_memory(tmp_path: Path) -> None:

@@ -67,12 +67,10 @@ def create_arrays(
     write_params(parts, [slot for slot in slots if slot.index not in skipped], masters=True)
 
 
-def write_master(parts: OptimizerParts, slot: Slot, *, keep_remainder: bool = False) -> None:
+def write_master(parts: OptimizerParts, slot: Slot) -> None:
     """Write the master of a streamed ``slot`` from its parameter's values (and the values
-    themselves, beside a remainder), whole (:func:`write_params`). ``keep_remainder``: beside
-    a remainder, write the values alone and keep the remainder (an edit of the parameter, as
-    a remainder slot in memory keeps it; a load sets it to zero: the values are exact)."""
-    write_params(parts, [slot], masters=not (keep_remainder and slot.remainder))
+    themselves, beside a remainder), whole (:func:`write_params`)."""
+    write_params(parts, [slot], masters=True)
 
 
 def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:

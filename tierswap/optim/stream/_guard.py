@@ -25,7 +25,7 @@ return is a :class:`StreamedAlias`, guarded as the parameter is.
 
 An operation that writes into a parameter's values outside the optimizer (an init, a clamp,
 an average copied back) moves its version counter (or, through ``.data``, the alias's, which
-the guard reports): the stream writes such values as the masters before it frees them or a
+the guard reports): the stream keeps such values as the masters before it frees them or a
 step reads the masters (:meth:`~tierswap.optim.stream.ParameterStream.edited`).
 
 A copy of a streamed parameter (``copy.deepcopy``, pickling, ``torch.save``: of the model, for

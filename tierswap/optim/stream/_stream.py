@@ -33,8 +33,8 @@ so it is read no more. Parameters in use are never freed: a module larger than t
 takes its own size.
 
 Values written into a parameter outside the optimizer (an init, a clamp: its ``_version``
-moves, or its guard reports an edit through ``.data``) are written as its master before it
-is freed or a step reads the masters, as a load's are.
+moves, or its guard reports an edit through ``.data``) are put where its values are kept
+before it is freed or a step reads the masters, as a gradient is.
 
 ``model.state_dict()`` reads the values from the swap space; ``model.load_state_dict()`` gives
 each module's parameters their values while it loads and writes what was loaded as their
@@ -72,7 +72,7 @@ from tierswap.optim.stream._guard import guard, unguard
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
-from tierswap.optim.stream._swap import keep_grad, read_into, read_job, segments
+from tierswap.optim.stream._swap import keep_grad, keep_values, read_into, read_job, segments
 
 __all__ = ["PREFETCH_MODULES", "ParameterStream"]
 
@@ -510,9 +510,8 @@ class ParameterStream:
     def _keep_edits(self, indices: list[int]) -> None:
         """Write the values of the live parameters of ``indices`` that were written into
         since they were read (an in-place op outside the optimizer: an init, a clamp, an
-        average copied back; the parameter's ``_version`` moved, or :meth:`edited`) as their
-        masters, as a load's are: the store must hold the newest masters alone, so resident
-        slices are written back and dropped first (edits are rare)."""
+        average copied back; the parameter's ``_version`` moved, or :meth:`edited`) where
+        their values are kept (:func:`keep_values`; reads of them started ahead are stale)."""
         edited = [
             i
             for i in indices
@@ -521,11 +520,12 @@ class ParameterStream:
         if not edited:
             return
         self.drop_ahead()
-        self.parts.backend.pipeline.evict()
+        pipeline, layout = self.parts.backend.pipeline, self.parts.layout
         with torch.no_grad():  # the optimizer's own read of the values: not a use
             for index in edited:
-                write_master(self.parts, self._slot(index), keep_remainder=True)
-                self._versions[index] = self._slot(index).param._version
+                slot = self._slot(index)
+                keep_values(pipeline, layout, slot, slot.param.detach())
+                self._versions[index] = slot.param._version
         self._edited.difference_update(edited)
 
     # -- the order of uses -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tierswap.io import footprint
 from tierswap.optim.plan import Layout, Segment, Slot, master_dtype
 from tierswap.pipeline import Job, Pipeline, Region
 
-__all__ = ["keep_grad", "read_into", "read_job", "segments"]
+__all__ = ["keep_grad", "keep_values", "read_into", "read_job", "segments"]
 
 
 def segments(layout: Layout, slot: Slot) -> list[tuple[int, Segment]]:
@@ -44,9 +44,22 @@ def read_job(slot: Slot, seg: Segment, *, grad: bool = False) -> Job:
 def keep_grad(pipeline: Pipeline, layout: Layout, slot: Slot, grad: torch.Tensor) -> None:
     """Put ``grad`` where the step reads it: into a resident slice's tensors, or behind the
     caller into the store (from pooled host buffers, within the host budget)."""
-    flat = grad.reshape(-1)
+    _keep(pipeline, layout, slot, grad, grad=True)
+
+
+def keep_values(pipeline: Pipeline, layout: Layout, slot: Slot, values: torch.Tensor) -> None:
+    """Put a parameter's ``values`` (edited outside the optimizer) where its uses and the step
+    read them, as :func:`keep_grad` does a gradient: its master (cast), or, beside a
+    remainder, the stored parameter (the remainder stays, as in memory)."""
+    _keep(pipeline, layout, slot, values, grad=False)
+
+
+def _keep(
+    pipeline: Pipeline, layout: Layout, slot: Slot, tensor: torch.Tensor, *, grad: bool
+) -> None:
+    flat = tensor.reshape(-1)
     for piece, seg in segments(layout, slot):
-        region = _region(slot, seg, grad=True)
+        region = _region(slot, seg, grad=grad)
         kept = pipeline.resident(piece)
         if kept is not None:
             kept[region].copy_(flat[seg.start : seg.stop])
