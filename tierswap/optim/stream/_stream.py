@@ -488,8 +488,8 @@ class ParameterStream:
         return (later[0] if later else uses[0] + cycle) - self._cursor if uses else 2 * cycle
 
     def _free(self, indices: Iterable[int], *, keep_edits: bool = True) -> None:
-        """Free the parameters of slots ``indices`` that hold values, first writing the
-        values written into since they were read as their masters (``keep_edits``)."""
+        """Free the parameters of slots ``indices`` that hold values, first keeping those
+        written into since they were read (``keep_edits``: :meth:`_keep_edits`)."""
         live = [i for i in indices if i in self._live]
         if keep_edits:
             self._keep_edits(live)
