@@ -338,9 +338,11 @@ def test_a_parameter_of_a_subclass_is_guarded_and_gets_its_class_back(tmp_path: 
     )
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own, on what it does not trace
 def test_a_compiled_model_streams_bitwise(tmp_path: Path) -> None:
-    """Dynamo does not trace into the guard (it recursed until the stack ran out): each
-    operation on a streamed parameter is a graph break, and training is torch's."""
+    """Dynamo traces neither the guard (it recursed until the stack ran out) nor the stream's
+    hooks: each operation on a streamed parameter and each hook is a graph break, and
+    training is torch's."""
     torch.manual_seed(0)
     ref = Borrowing()
     model = copy.deepcopy(ref)

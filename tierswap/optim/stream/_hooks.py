@@ -59,6 +59,7 @@ class _Hook:
     def __init__(self, ref: Callable[[], ParameterStream | None], event: Any, *args: Any) -> None:
         self._ref, self._event, self._args = ref, event, args
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # reads, threads: not traced
     def __call__(self, *hook_args: Any) -> None:
         stream = self._ref()
         if stream is not None:
