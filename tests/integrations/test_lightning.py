@@ -8,6 +8,10 @@ import pytest
 
 pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not installed (.[lightning])")
 
+import pytorch_lightning as pl
+import torch
+
+import tierswap as ts
 from tests.integrations.helpers import load_example
 from tests.optim.models import assert_same_params
 
@@ -108,3 +112,28 @@ def test_muon_recipe_resumes_bit_exact(tmp_path) -> None:
         **run,
     )  # fmt: skip
     assert_same_params(full, resumed)
+
+
+def _clipped_by_value(example, swap_dir, output_dir, *, stream: bool):
+    """Four steps of the example's model under ``gradient_clip_algorithm="value"``."""
+    torch.manual_seed(0)
+    model = example.Regressor(swap_dir, host_budget="64KiB", muon=False, stream=stream)
+    trainer = pl.Trainer(
+        max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(output_dir),
+        gradient_clip_val=0.01, gradient_clip_algorithm="value",
+    )  # fmt: skip
+    trainer.fit(model, example.data(4))
+    for opt in trainer.optimizers:
+        if isinstance(opt, ts.SwapOptimizer):
+            opt.close()
+    return model
+
+
+def test_streamed_parameters_clip_by_value_as_lightning_does(tmp_path) -> None:
+    """Lightning's value clipping calls ``clip_grad_value_`` on gradients kept in the swap
+    folder: recorded, applied as the step reads them, bitwise as in memory."""
+    example = _example()
+    plain = _clipped_by_value(example, None, tmp_path / "a", stream=False)
+    streamed = _clipped_by_value(example, tmp_path / "swap", tmp_path / "b", stream=True)
+    assert_same_params(plain, streamed)
