@@ -94,6 +94,13 @@ class Assembly(Checkpoints):
                 "parameters: SwapOptimizer(model, torch.optim.AdamW, ..., "
                 "offload_parameters=True), or, with param groups, model=model"
             )
+        if config.offload_parameters and world()[1] > 1:  # DDP reads the freed parameters
+            raise ConfigError(
+                f"offload_parameters=True under a process group of {world()[1]} ranks is not "
+                "supported yet: DistributedDataParallel reads every parameter's memory (a "
+                "freed one crashes the process) and reduces gradients the stream keeps in the "
+                "swap folder; stream on one process, or swap the optimizer's state alone"
+            )
         self._ready = False  # torch's constructor calls add_param_group before the rest exists
         #: What was built on the meta device: placed without values until ``_start``.
         self._unborn = unborn or Placed([], [])

@@ -21,7 +21,7 @@ from tests.optim.train_child import muon_groups
 from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
-from tierswap.optim import SwapOptimizer
+from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.stream import OffloadedGradient
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
@@ -367,6 +367,16 @@ def test_clipping_by_value_is_recorded_and_applied_as_torch_applies_it(tmp_path:
     with pytest.raises(GradientOffloadedError):  # a bound that is a whole tensor
         grad.clamp_(min=torch.zeros(3))
     opt.close()
+
+
+def test_several_ranks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DistributedDataParallel(model)`` read the freed parameters (a segfault with two gloo
+    ranks): under a process group of several ranks streaming is refused, the model kept."""
+    _, model = _pair()
+    monkeypatch.setattr(_assembly, "world", lambda: (0, 2))
+    with pytest.raises(ConfigError, match="process group of 2 ranks"):
+        SwapOptimizer(model, torch.optim.AdamW, swap_dir=tmp_path, offload_parameters=True)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
 
 def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
