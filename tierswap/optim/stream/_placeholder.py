@@ -34,8 +34,8 @@ _SCALES = {_aten.mul_.Tensor, _aten.mul_.Scalar}
 _LIST_SCALES = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
 #: A ``GradScaler``'s unscale of a list of gradients, checking them for inf and NaN.
 _UNSCALE = _aten._amp_foreach_non_finite_check_and_unscale_.default
-#: In-place clamps (``clip_grad_value_``): op -> which bounds its arguments after the gradient
-#: give.
+#: In-place clamps (``clip_grad_value_``): op -> the names of its bounds, in the order its
+#: arguments after the gradient give them.
 _CLAMPS = {
     _aten.clamp_.default: ("min", "max"),
     _aten.clamp_.Tensor: ("min", "max"),
