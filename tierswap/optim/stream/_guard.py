@@ -40,16 +40,39 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import weakref
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from tierswap.errors import ConfigError, StoreClosedError
 
-__all__ = ["Guarded", "StreamedAlias", "StreamedParameter", "guard", "unguard"]
+__all__ = ["Guarded", "StreamedAlias", "StreamedParameter", "guard", "not_traced", "unguard"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def not_traced(fn: _F) -> _F:
+    """``fn``, which dynamo must not trace (``torch.compile`` recursed through the guard until
+    the stack ran out): ``torch.compiler.disable(fn)`` once dynamo is loaded, as
+    ``torch.compile`` loads it, and ``fn`` itself before (loading dynamo at import would cost
+    every run 2 s and 70 MB)."""
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+        return disabled(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
+
 
 #: Tensor methods and properties that do not read a parameter's values.
 _METADATA = frozenset(
@@ -95,7 +118,7 @@ class Guarded(torch.Tensor):
     _tierswap_slot: int
 
     @classmethod
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    @not_traced
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():

@@ -18,6 +18,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim.plan import Slot
+from tierswap.optim.stream._guard import not_traced
 
 if TYPE_CHECKING:
     from tierswap.optim.stream._stream import ParameterStream
@@ -59,7 +60,7 @@ class _Hook:
     def __init__(self, ref: Callable[[], ParameterStream | None], event: Any, *args: Any) -> None:
         self._ref, self._event, self._args = ref, event, args
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # reads, threads: not traced
+    @not_traced  # reads, threads
     def __call__(self, *hook_args: Any) -> None:
         stream = self._ref()
         if stream is not None:
