@@ -94,9 +94,10 @@ class Assembly(Checkpoints):
                 "parameters: SwapOptimizer(model, torch.optim.AdamW, ..., "
                 "offload_parameters=True), or, with param groups, model=model"
             )
-        if config.offload_parameters and world()[1] > 1:  # DDP reads the freed parameters
+        ranks = world()[1]
+        if config.offload_parameters and ranks > 1:  # DDP reads the freed parameters
             raise ConfigError(
-                f"offload_parameters=True under a process group of {world()[1]} ranks is not "
+                f"offload_parameters=True under a process group of {ranks} ranks is not "
                 "supported yet: DistributedDataParallel reads every parameter's memory (a "
                 "freed one crashes the process) and reduces gradients the stream keeps in the "
                 "swap folder; stream on one process, or swap the optimizer's state alone"

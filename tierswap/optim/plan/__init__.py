@@ -34,10 +34,10 @@ from tierswap.optim.plan._slots import group_slots, inner_for
 from tierswap.optim.plan._step_plan import GradClamp, StepPlan, apply_grad_edits
 
 __all__ = [
+    "GradClamp",
     "Layout",
     "Segment",
     "Slice",
-    "GradClamp",
     "Slot",
     "StepPlan",
     "apply_grad_edits",

@@ -337,7 +337,7 @@ class Stepper:
             if plan is not None and plan.write_params
             else set()
         )
-        self.parts.state.grad_edits.clear()  # they scaled this step's gradients
+        self.parts.state.grad_edits.clear()  # they edited this step's gradients
         self.parts.commits.stepped()
         if due:
             commit(self.parts)
