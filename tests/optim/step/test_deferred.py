@@ -4,9 +4,11 @@ LR schedulers and closures."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -104,6 +106,39 @@ def test_step_returns_before_the_slices_and_forward_waits_per_module(tmp_path, m
         assert torch.equal(out, ref_model(x))
         opt.synchronize()
         assert not opt._deferred.busy
+
+
+def test_the_steps_gradients_go_before_its_commit_ends(tmp_path, monkeypatch) -> None:
+    """A commit that runs on into the next iteration keeps no gradient of its step: the next
+    backward's new gradients would come on top of them (+ a whole model's gradients)."""
+    import tierswap.optim.step._stepper as stepper_module
+
+    model = Stack()
+    opt = _swap(model, tmp_path, commit_every=1)
+    committing, gate = threading.Event(), threading.Event()
+    commit = stepper_module.commit
+
+    def slow_commit(parts):  # the commit, slowed: it lasts into the next iteration
+        committing.set()
+        gate.wait(10)
+        return commit(parts)
+
+    monkeypatch.setattr(stepper_module, "commit", slow_commit)
+    with opt:
+        x = _batches(1)[0]
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        try:
+            assert committing.wait(10)  # every slice stepped; the commit is under way
+            gc.collect()
+            assert [g() for g in grads] == [None] * len(grads)
+        finally:
+            gate.set()
+        opt.synchronize()
+        assert opt.steps == 1
 
 
 def test_a_closure_and_state_dicts_wait(tmp_path) -> None:

@@ -188,6 +188,9 @@ class Stepper:
                     raise
                 finally:
                     self.parts.backend.pipeline.release()
+                    # the slices have read them: with "forward" the commit may still run here
+                    # while the next backward makes new ones
+                    plan.grads = None
                 self._end_step(plan, due, written)
 
         if self._ends_in_step:
