@@ -4,13 +4,16 @@
                                               [--dir D] [--overlap auto,none]
 
 The model is 23 fp32 parameters of 4,194,304 elements (96.5M), stepped by ``SwapOptimizer``
-over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0``. Each step's
-gradients come from a backward (``1e-3 * sum(p.sum())``: a constant gradient per parameter,
-no activations), so that the gradient hooks run and the default ``overlap="auto"`` steps
+over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0`` (``--commit-every``).
+Each step's gradients come from a backward (``1e-3 * sum(p.sum())``: a constant gradient per
+parameter, no activations), so that the gradient hooks run and the default ``overlap="auto"`` steps
 slices in backward, as in training (``--overlap`` names the modes to run, each run of each
 interleaved: ``auto``, ``none`` for ``overlap=None``, ``forward``, ``backward``; ``stream``
 for ``offload_parameters=True``: each parameter in a module of its own, the optimizer given
-the model, so that parameters and gradients live in the swap folder too).
+the model, so that parameters and gradients live in the swap folder too). ``forward`` runs
+the parameters in modules of their own too (the optimizer given the parameters): that mode's
+step runs on into the next forward, whose modules wait for their own parameters, and it does
+not wait for parameters read outside any module.
 Each run is its own process: it notes its RSS after the imports and one step of torch's own
 AdamW on a one-element tensor (the baseline: torch imports its compiler stack, about 75 MiB,
 the first time any optimizer steps; the imports alone are printed too), makes the
@@ -74,7 +77,7 @@ def _reset_peak() -> bool:
     return True
 
 
-def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
+def child(folder: Path, steps: int, overlap: str | None, commit_every: int) -> dict[str, float]:
     """One run, in this process: baseline, peak and the bound, in bytes."""
     import torch
     from _peak import current_rss, peak_rss
@@ -94,10 +97,10 @@ def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
     # freed), memory of the caller's own making that this bench does not measure
     params = [torch.nn.Parameter(torch.empty(NUMEL).normal_()) for _ in range(PARAMS)]
     streamed = overlap == "stream"
-    model = _holders(torch, params) if streamed else None
+    model = _holders(torch, params) if streamed or overlap == "forward" else None
     opt = ts.SwapOptimizer(
         model if streamed else params, torch.optim.AdamW, lr=1e-4, fused=True,
-        swap_dir=folder, host_budget=BUDGET, commit_every=0,
+        swap_dir=folder, host_budget=BUDGET, commit_every=commit_every,
         overlap="auto" if streamed else overlap, offload_parameters=streamed,
     )  # fmt: skip
     built = peak_rss()
@@ -106,7 +109,7 @@ def child(folder: Path, steps: int, overlap: str | None) -> dict[str, float]:
     with opt:
         for _ in range(steps):
             opt.zero_grad()
-            (model() if streamed else 1e-3 * sum(p.sum() for p in params)).backward()
+            (model() if model is not None else 1e-3 * sum(p.sum() for p in params)).backward()
             opt.step()
         opt.synchronize()
         peak = peak_rss()
@@ -125,18 +128,23 @@ def main() -> None:
     p.add_argument("--throttle", default=None, help="READ,WRITE caps, e.g. 300MB,150MB")
     p.add_argument("--dir", type=Path, default=None, help="folder on the disk to test")
     p.add_argument("--overlap", default="auto", help="modes, comma-separated: auto,none,...")
+    p.add_argument(
+        "--commit-every", type=int, default=0, help="commit_every (0: no commits; with 1, "
+        "overlap='forward' commits on its worker into the next iteration)",
+    )  # fmt: skip
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     modes = args.overlap.split(",")
     if args.child is not None:
         overlap = None if modes[0] == "none" else modes[0]  # or "stream"
-        print(json.dumps(child(args.child, args.steps, overlap)))
+        print(json.dumps(child(args.child, args.steps, overlap, args.commit_every)))
         return
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for run, mode in ((run, mode) for run in range(args.runs) for mode in modes):
             command = [sys.executable, __file__, "--child", f"{tmp}/run{run}-{mode}",
-                       "--steps", str(args.steps), "--overlap", mode]  # fmt: skip
+                       "--steps", str(args.steps), "--overlap", mode,
+                       "--commit-every", str(args.commit_every)]  # fmt: skip
             if args.throttle:
                 command = [sys.executable, str(ROOT / "bench/_throttle.py"),
                            "--cap", tmp, args.throttle, "--", *command]  # fmt: skip
