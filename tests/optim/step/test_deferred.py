@@ -15,6 +15,7 @@ import torch
 
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.step import _stepper as stepper_module
 from tierswap.optim.step._deferred import NICENESS, DeferredSteps
 
 LAYERS = 6
@@ -109,10 +110,8 @@ def test_step_returns_before_the_slices_and_forward_waits_per_module(tmp_path, m
 
 
 def test_the_steps_gradients_go_before_its_commit_ends(tmp_path, monkeypatch) -> None:
-    """A commit that runs on into the next iteration keeps no gradient of its step: the next
-    backward's new gradients would come on top of them (+ a whole model's gradients)."""
-    import tierswap.optim.step._stepper as stepper_module
-
+    """A commit that runs on into the next iteration holds no gradient of its step: the next
+    backward's gradients would come on top of them, two sets at once."""
     model = Stack()
     opt = _swap(model, tmp_path, commit_every=1)
     committing, gate = threading.Event(), threading.Event()
