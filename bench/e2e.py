@@ -396,9 +396,9 @@ def targets(summary: dict[str, dict], bound: float | None) -> dict[str, float | 
 
 def hiding(summary: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     """With a ``compute`` run (``--model gpulike``), per configuration: its iteration against
-    compute alone, the step's *exposed* seconds (iteration - compute) and the fraction of the
-    step it hides: 1 - exposed / exposed of ``none`` (``overlap=None``: every slice steps after
-    backward, nothing hidden), when that mode ran."""
+    compute alone, the step's *exposed* seconds (iteration - compute) and, for a tierswap mode,
+    the fraction of the step it hides: 1 - exposed / exposed of ``none`` (``overlap=None``:
+    every slice steps after backward, nothing hidden), when that mode ran."""
     compute = summary.get("compute", {}).get("median_s")
     if not compute:
         return {}
@@ -412,7 +412,7 @@ def hiding(summary: dict[str, dict]) -> dict[str, dict[str, float | None]]:
         out[config] = {
             "vs_compute": row["median_s"] / compute,
             "exposed_s": exposed,
-            "hidden": 1 - exposed / whole if whole else None,
+            "hidden": 1 - exposed / whole if whole and config in MODES else None,
         }
     return out
 

@@ -1,7 +1,7 @@
 """Benchmark: peak RSS of an offloaded step against the stated bound, also on a slow disk.
 
     PYTHONPATH=. python bench/memory_bound.py [--runs 3] [--steps 4] [--throttle 300MB,150MB]
-                                              [--dir D] [--overlap auto,none]
+                                              [--dir D] [--overlap auto,none] [--commit-every N]
 
 The model is 23 fp32 parameters of 4,194,304 elements (96.5M), stepped by ``SwapOptimizer``
 over torch's fused AdamW with ``host_budget=128MiB``, ``commit_every=0`` (``--commit-every``).
