@@ -338,6 +338,37 @@ def test_a_parameter_of_a_subclass_is_guarded_and_gets_its_class_back(tmp_path: 
     )
 
 
+class OwnHandler(torch.nn.Parameter):
+    """A subclass of ``Parameter`` with a ``__torch_function__`` of its own (which the guard
+    cannot sit beside)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class OwnHandled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.mid.weight = OwnHandler(self.mid.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(torch.tanh(self.inp(x))))
+
+
+def test_a_parameter_the_guard_cannot_take_is_named_in_a_warning(tmp_path: Path) -> None:
+    """Unguarded, a use of it outside its module would read freed memory: the user is told
+    which; inside its module it streams as the others do (bitwise, checked each step)."""
+    with pytest.warns(UserWarning, match=r"'mid\.weight' .*own __torch_function__") as caught:
+        model, opt = _train_pair(tmp_path, OwnHandled, 2)
+    assert caught[0].filename == __file__  # it points at the optimizer's construction
+    assert type(model.mid.weight) is OwnHandler
+    assert isinstance(model.inp.weight, StreamedParameter)
+    opt.close()
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own, on what it does not trace
 def test_a_compiled_model_streams_bitwise(tmp_path: Path) -> None:
     """Dynamo traces neither the guard (it recursed until the stack ran out) nor the stream's

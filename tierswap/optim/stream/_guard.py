@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
@@ -312,21 +314,53 @@ def _views(result: Any, tensor: torch.Tensor) -> bool:
     )
 
 
-def guard(param: torch.Tensor, stream: ValueUser, index: int) -> None:
+def guard(param: torch.Tensor, stream: ValueUser, index: int) -> bool:
     """Make ``param`` a :class:`StreamedParameter` of slot ``index`` of ``stream``: a
     ``torch.nn.Parameter``, or a subclass of it that leaves ``__torch_function__`` to torch
-    (one with its own stays as it is: two guards cannot both see its operations)."""
+    (one with its own stays as it is: two guards cannot both see its operations); whether it
+    is guarded now."""
     cls = type(param)
     if isinstance(param, torch.nn.Parameter) and not isinstance(param, StreamedParameter):
         if cls.__torch_function__ is not torch.nn.Parameter.__torch_function__:
-            return
+            return False
         try:
             param.__class__ = _streamed_class(cls)
         except TypeError:  # a layout of its own (__slots__): it stays as it is
-            return
+            return False
     if isinstance(param, StreamedParameter):
         param._tierswap_stream = weakref.ref(stream)
         param._tierswap_slot = index
+        return True
+    return False
+
+
+def warn_unguarded(names: list[str]) -> None:
+    """Warn that the streamed parameters ``names`` could not be guarded (:func:`guard`): a
+    use of one outside its module's forward would read memory it does not hold."""
+    if names:
+        shown = ", ".join(repr(name) for name in names[:3])
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        warnings.warn(
+            f"streamed parameters {shown}{more} are of a Parameter subclass with its own "
+            "__torch_function__ (or __slots__): tierswap reads their values for their own "
+            "modules' forward and backward, but cannot see other uses of them, which would "
+            "read memory they do not hold (a crash); use them only inside their modules",
+            UserWarning,
+            stacklevel=_callers_level(),
+        )
+
+
+#: The package's folder: frames in it are tierswap's own, not its caller's.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside tierswap, for a warning raised by the
+    function that calls this one (the optimizer's construction, ``add_param_group``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @functools.cache

@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_leaves
 
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
-from tierswap.optim.stream._guard import guard, unguard
+from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
@@ -133,10 +133,17 @@ class ParameterStream:
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
         """Free every streamed parameter (the store holds its master) and hook the modules."""
-        for index in self._streamed():
-            free(self._slot(index).param)
-            guard(self._slot(index).param, self, index)
+        self._take(self._streamed())
         self._hook()
+
+    def _take(self, indices: Iterable[int]) -> None:
+        """Free the parameters of slots ``indices`` and guard them (warn of those it cannot)."""
+        unguarded = []
+        for slot in (self._slot(index) for index in sorted(indices)):
+            free(slot.param)
+            if not guard(slot.param, self, slot.index):
+                unguarded.append(slot.name or slot.prefix)
+        warn_unguarded(unguarded)
 
     def adopt(self, slots: list[Slot]) -> None:
         """Stream the parameters of ``slots`` too (a param group added; the store holds their
@@ -153,9 +160,7 @@ class ParameterStream:
         self._modules = owners(model, self.parts.layout.slot_of)
         self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
         self._sizes.clear()  # the layout's slots are numbered anew
-        for slot in slots:
-            free(slot.param)
-            guard(slot.param, self, slot.index)
+        self._take(slot.index for slot in slots)
         self._hook()
 
     def check_owned(self, slots: list[Slot]) -> None:
