@@ -30,8 +30,12 @@ status is non-zero when any check fails. Checks:
  10. parameter streaming (offload_parameters=True, issue 30): bitwise equal to the same
      optimizer that does not stream, torch's clipping on; no parameter holds device memory
      between steps, and the training's peak device bytes drop by at least the parameters'
-     (their gradients leave too). The copies to the device are synchronous so far: no
-     copy/compute overlap to time yet.
+     (their gradients leave too).
+ 11. parameter copies overlap compute: streamed parameters reach the GPU on the upload stream
+     while the module before still computes (4096-row batches: each layer's kernels take
+     about a millisecond); copies and each module's forward timed with CUDA events on one
+     timeline (copies that ran during a forward), bitwise equal to the optimizer that does not
+     stream.
 
 On --device cpu (a dry run) the same checks run their code paths on the CPU; timings are
 wall clock and the overlap figures are not measured.
@@ -54,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tierswap as ts
 from tierswap.engine import CudaTransfers, ToDevice, allocate
-from tierswap.optim import optimizer as optimizer_module
+from tierswap.optim import _assembly as assembly_module
+from tierswap.optim.stream import _swap as stream_swap
 
 RESULTS: dict[str, dict] = {}
 DEVICE = "cuda"  # --device cpu runs the same code paths without a GPU (a dry run of the script)
@@ -419,10 +424,18 @@ class _TimedTransfers(CudaTransfers):
         super().__init__(device)
         self.copies: list[tuple[object, object]] = []
 
-    def to_device(self, host_tensor: torch.Tensor) -> ToDevice:
+    def to_device(
+        self,
+        host_tensor: torch.Tensor,
+        device_tensor: torch.Tensor | None = None,
+        *,
+        upload_memory: bool = False,
+    ) -> ToDevice:
         upload, _ = self.streams
+        if device_tensor is not None and not upload_memory:  # as the copy will: the begin
+            upload.wait_stream(torch.cuda.current_stream())  # event marks the copy's start
         begin = upload.record_event(torch.cuda.Event(enable_timing=True))
-        copy = super().to_device(host_tensor)
+        copy = super().to_device(host_tensor, device_tensor, upload_memory=upload_memory)
         self.copies.append((begin, upload.record_event(torch.cuda.Event(enable_timing=True))))
         return copy
 
@@ -488,15 +501,15 @@ def check_copy_overlap(folder: Path, steps: int) -> None:
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     spans: list = []
     timed = _TimedTransfers(torch.device("cuda")) if DEVICE == "cuda" else None
-    original = optimizer_module.transfers_for
+    original = assembly_module.transfers_for
     if timed is not None:
-        optimizer_module.transfers_for = lambda device: timed
+        assembly_module.transfers_for = lambda device: timed
     try:
         opt = ts.SwapOptimizer(swap_model.parameters(), _timed_adamw(spans), lr=1e-3,
                                swap_dir=folder / "copy-overlap", host_budget=state // 4,
                                device_budget=state // 4, durable=False, commit_every=0)  # fmt: skip
     finally:
-        optimizer_module.transfers_for = original
+        assembly_module.transfers_for = original
     with opt:
         for index, x in enumerate(batches(steps, width=2048)):
             if index == 1 and DEVICE == "cuda":  # time the steps after the first (state made)
@@ -521,6 +534,83 @@ def check_copy_overlap(folder: Path, steps: int) -> None:
             figures.update(_copy_step_figures(spans[0][0], timed.copies, spans[1:]))
             ok = ok and figures["copies"] > 0 and figures["overlap_s"] > 0
         record("copy/step overlap, streamed slices bitwise", ok and streamed > 0, **figures)
+
+
+def _module_spans(model: torch.nn.Module, spans: list) -> list:
+    """Hook each module that owns parameters so that an event pair on the compute stream
+    brackets its forward (after the stream's hooks: its parameters' copies are issued and
+    waited for before the first event); returns the handles."""
+    handles = []
+    for module in model.modules():
+        if DEVICE != "cuda" or not list(module.parameters(recurse=False)):
+            continue
+
+        def begin(*_: object) -> None:
+            spans.append([torch.cuda.current_stream().record_event(
+                torch.cuda.Event(enable_timing=True))])  # fmt: skip
+
+        def end(*_: object) -> None:
+            spans[-1].append(torch.cuda.current_stream().record_event(
+                torch.cuda.Event(enable_timing=True)))  # fmt: skip
+
+        handles += [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
+    return handles
+
+
+def check_parameter_copy_overlap(folder: Path, steps: int) -> None:
+    """Parameter streaming: each module's parameters are copied in on the upload stream while
+    the module before it still computes (its kernels queued ahead of the host), bitwise equal
+    to the same optimizer that does not stream; the copies and each module's forward are
+    timed with CUDA events on one timeline (the last step's: the order of uses is known)."""
+    plain_model = make_model(width=2048, depth=6)
+    swap_model = copy.deepcopy(plain_model)
+    data = [x.repeat(64, 1) for x in batches(steps, width=2048)]  # 4096 rows: ms-long layers
+    timed = _TimedTransfers(torch.device("cuda")) if DEVICE == "cuda" else None
+    original = stream_swap.transfers_for
+    if timed is not None:
+        stream_swap.transfers_for = lambda device: timed if device.type == "cuda" else original(
+            device)  # fmt: skip
+    spans: list = []
+    handles = _module_spans(swap_model, spans)
+    opts: list = []
+    try:
+        for model, streamed in ((plain_model, False), (swap_model, True)):
+            opts.append(ts.SwapOptimizer(
+                model if streamed else model.parameters(), torch.optim.AdamW, lr=1e-3,
+                swap_dir=folder / f"param-copies-{streamed}", host_budget="256MiB",
+                durable=False, offload_parameters=streamed,
+            ))  # fmt: skip
+        start = None
+        for index, x in enumerate(data):
+            if index == steps - 1 and timed is not None:
+                sync()
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                spans.clear()
+                timed.copies.clear()
+            for model, opt in zip((plain_model, swap_model), opts, strict=True):
+                loss_of(model, x).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+        sync()
+    finally:
+        stream_swap.transfers_for = original
+        for handle in handles:
+            handle.remove()
+        for opt in opts:
+            opt.close()
+    ok = same(plain_model.parameters(), swap_model.parameters())
+    figures: dict[str, object] = {"steps": steps}
+    if timed is not None and start is not None:
+        forwards = [tuple(pair) for pair in spans if len(pair) == 2]
+        found = _copy_step_figures(start, timed.copies, forwards)
+        figures.update(copies=found["copies"], forwards=found["steps"], copy_s=found["copy_s"],
+                       forward_s=found["step_s"], overlap_s=found["overlap_s"],
+                       copies_during_a_forward=found["copies_during_a_step"])  # fmt: skip
+        ok = ok and found["copies"] > 0 and found["copies_during_a_step"] > 0
+    record("parameter streaming: copies on the upload stream overlap the module before",
+           ok, **figures)  # fmt: skip
 
 
 def main() -> int:
@@ -549,6 +639,7 @@ def main() -> int:
         lambda: check_speculation(folder, args.steps),
         lambda: check_copy_overlap(folder, args.steps),
         lambda: check_parameter_streaming(folder, args.steps),
+        lambda: check_parameter_copy_overlap(folder, args.steps),
     ]
     if DEVICE == "cuda":
         checks += [lambda: check_pinned(folder), lambda: check_device_memory(folder, args.steps)]

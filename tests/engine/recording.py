@@ -11,6 +11,7 @@ the order with the functions below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import queue
@@ -54,10 +55,11 @@ class RecordingTransfers:
     """Copies between two regions of CPU memory, as a GPU's copy engine would: later, after
     ``delay`` seconds each, one at a time (``delay=None``: at once, when issued).
 
-    Kinds logged: ``h2d`` (copy issued: host ptr, device ptr), ``h2d_done``, ``wait`` (the
-    compute stream waits for a copy's event: device ptr), ``record`` (an event recorded on the
-    compute stream before a copy back: device ptr), ``d2h`` (copy back issued: device ptr, host
-    ptr), ``d2h_done`` (the bytes landed: host ptr).
+    Kinds logged: ``h2d`` (copy issued: host ptr, device ptr; after ``upload_memory`` when its
+    target was allocated for uploads), ``allocating`` (memory allocated for uploads),
+    ``h2d_done``, ``wait`` (the compute stream waits for a copy's event: device ptr), ``record``
+    (an event recorded on the compute stream before a copy back: device ptr), ``d2h`` (copy
+    back issued: device ptr, host ptr), ``d2h_done`` (the bytes landed: host ptr).
     """
 
     moves = True
@@ -88,9 +90,15 @@ class RecordingTransfers:
 
     # ------------------------------------------------------------------ the interface
     def to_device(
-        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+        self,
+        host_tensor: torch.Tensor,
+        device_tensor: torch.Tensor | None = None,
+        *,
+        upload_memory: bool = False,
     ) -> ToDevice:
         number = next(self._numbers)
+        if upload_memory:  # a GPU's copy would not wait for the compute stream
+            self.note("upload_memory", (), number)
         if device_tensor is None:
             device_tensor = _garbage_like(host_tensor)
         else:  # what a GPU's buffer holds before its copy runs
@@ -102,6 +110,10 @@ class RecordingTransfers:
             Op("h2d_done", number, (device_tensor.data_ptr(),)),
         )
         return ToDevice(device_tensor, number, done)
+
+    def allocating(self) -> contextlib.AbstractContextManager[None]:
+        self.note("allocating")
+        return contextlib.nullcontext()
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
         copy.done.result()  # the compute stream waits for the copy's event

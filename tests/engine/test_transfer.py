@@ -163,3 +163,18 @@ def test_cuda_copies_round_trip_on_side_streams() -> None:
     assert back.host_tensor.is_pinned()
     assert torch.equal(back.host_tensor, 2 * host)
     copy.done.result()
+
+
+@cuda
+def test_cuda_copy_into_upload_memory_lands_before_the_compute_stream_reads_it() -> None:
+    transfers = transfers_for(torch.device("cuda"))
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # the compute stream has work queued: the copy need not wait for it
+        busy = busy @ busy / 4096
+    with transfers.allocating():
+        target = torch.empty(1 << 20, device="cuda")
+    copy = transfers.to_device(host, target, upload_memory=True)
+    result = transfers.ready(copy) + 1  # on the compute stream, after the copy's event
+    copy.done.result()
+    assert torch.equal(result.cpu(), host + 1)

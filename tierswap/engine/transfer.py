@@ -3,10 +3,13 @@
 On CUDA both directions run on side streams, so copies overlap the compute stream's work:
 :meth:`Transfers.to_device` issues the copy on the *upload* stream and the consumer's
 :meth:`Transfers.ready` makes the compute stream wait for its event (the GPU waits, the calling
-thread does not); :meth:`Transfers.to_host` makes the *download* stream wait for the compute
-work queued so far, copies there, and returns at once with a future of the moment the bytes have
-landed (the write-behind waits for it, never the caller). Every copy also has a future of the
-moment it has read its source, so a host buffer returns to a pool only when no copy reads it.
+thread does not); a copy into memory the compute stream had waits for that stream's work, unless
+the memory was allocated for uploads (:meth:`Transfers.allocating`: a streamed parameter's, so
+that its copy runs while the module before it computes); :meth:`Transfers.to_host` makes the
+*download* stream wait for the compute work queued so far, copies there, and returns at once
+with a future of the moment the bytes have landed (the write-behind waits for it, never the
+caller). Every copy also has a future of the moment it has read its source, so a host buffer
+returns to a pool only when no copy reads it.
 
 :class:`CudaTransfers` (one per GPU; a daemon thread completes the futures as the events are
 reached), :class:`PassThrough` (the CPU: nothing moves) and test stand-ins with the same
@@ -14,10 +17,11 @@ interface implement :class:`Transfers`; :func:`transfers_for` picks one for a de
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -75,10 +79,21 @@ class Transfers(Protocol):
     moves: bool
 
     def to_device(
-        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+        self,
+        host_tensor: torch.Tensor,
+        device_tensor: torch.Tensor | None = None,
+        *,
+        upload_memory: bool = False,
     ) -> ToDevice:
         """Start copying ``host_tensor`` to the device: into ``device_tensor`` (same shape and
-        dtype), or a new tensor when ``None``."""
+        dtype), or a new tensor when ``None``. A ``device_tensor`` the compute stream may still
+        use waits for the work queued there so far; one allocated inside :meth:`allocating`
+        (``upload_memory``) does not, so its copy overlaps that work."""
+        ...
+
+    def allocating(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which device memory is allocated for uploads: an upload into it
+        (``to_device(..., upload_memory=True)``) need not wait for the compute stream."""
         ...
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
@@ -126,12 +141,19 @@ class PassThrough:
         self.device = device if device is not None else torch.device("cpu")
 
     def to_device(
-        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+        self,
+        host_tensor: torch.Tensor,
+        device_tensor: torch.Tensor | None = None,
+        *,
+        upload_memory: bool = False,
     ) -> ToDevice:
         if device_tensor is None or _same_memory(host_tensor, device_tensor):
             return ToDevice(host_tensor, None, completed())
         device_tensor.copy_(host_tensor)
         return ToDevice(device_tensor, None, completed())
+
+    def allocating(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
         return copy.device_tensor
@@ -204,10 +226,14 @@ class CudaTransfers:
         return self._upload, self._download
 
     def to_device(
-        self, host_tensor: torch.Tensor, device_tensor: torch.Tensor | None = None
+        self,
+        host_tensor: torch.Tensor,
+        device_tensor: torch.Tensor | None = None,
+        *,
+        upload_memory: bool = False,
     ) -> ToDevice:
-        if device_tensor is not None:  # allocated on the compute stream: the copy waits for it
-            self._upload.wait_stream(torch.cuda.current_stream(self.device))
+        if device_tensor is not None and not upload_memory:  # the compute stream's memory,
+            self._upload.wait_stream(torch.cuda.current_stream(self.device))  # maybe in use
         with torch.cuda.stream(self._upload):
             if device_tensor is None:
                 device_tensor = torch.empty_like(host_tensor, device=self.device)
@@ -216,6 +242,14 @@ class CudaTransfers:
         return ToDevice(
             device_tensor, h2d_event, self._waiter.when_reached(h2d_event, keep=host_tensor)
         )
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """Allocations inside come from the upload stream's pool of the caching allocator:
+        memory that no work of that stream uses any more, and, once :meth:`ready` has marked
+        it used by the compute stream too, freed only when that stream is past its uses."""
+        with torch.cuda.stream(self._upload):
+            yield
 
     def ready(self, copy: ToDevice) -> torch.Tensor:
         compute = torch.cuda.current_stream(self.device)

@@ -23,10 +23,11 @@ import weakref
 from typing import Any, ClassVar, Protocol
 
 import torch
+from torch.utils._foreach_utils import _has_foreach_support
 
 from tierswap.errors import GradientOffloadedError
 
-__all__ = ["GradientKeeper", "OffloadedGradient"]
+__all__ = ["GradientKeeper", "OffloadedGradient", "norm_as_torch"]
 
 _aten = torch.ops.aten
 #: In-place multiplications by one factor: what clipping does to each gradient.
@@ -184,3 +185,14 @@ def _is_factor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and not isinstance(value, OffloadedGradient)
     return isinstance(value, (int, float))
+
+
+def norm_as_torch(grad: torch.Tensor, ord: float) -> torch.Tensor:
+    """``grad``'s ``ord``-norm as ``torch.nn.utils.get_total_norm`` takes each gradient's:
+    with ``torch._foreach_norm`` where torch would use it, else ``torch.linalg.vector_norm``."""
+    norm: torch.Tensor
+    if _has_foreach_support([grad], grad.device):
+        norm = torch._foreach_norm([grad], ord)[0]
+    else:
+        norm = torch.linalg.vector_norm(grad, ord)
+    return norm

@@ -63,16 +63,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._foreach_utils import _has_foreach_support
 from torch.utils._pytree import tree_leaves
 
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
-from tierswap.optim.stream._placeholder import OffloadedGradient
-from tierswap.optim.stream._storage import allocate, free, nbytes, to_meta
-from tierswap.optim.stream._swap import keep_grad, keep_values, read_into, read_job, segments
+from tierswap.optim.stream._placeholder import OffloadedGradient, norm_as_torch
+from tierswap.optim.stream._storage import free, nbytes, to_meta
+from tierswap.optim.stream._swap import (
+    allocate_for_upload,
+    empty_for_upload,
+    keep_grad,
+    keep_values,
+    read_into,
+    read_job,
+    segments,
+)
 
 __all__ = ["PREFETCH_MODULES", "ParameterStream"]
 
@@ -253,7 +260,7 @@ class ParameterStream:
                 self.parts.state.grad_edits.pop(slot.index, None)
                 keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
                 self.kept_grad_bytes += grad.numel() * grad.element_size()
-                self.norms[slot.index] = _norm(grad, 2.0)
+                self.norms[slot.index] = norm_as_torch(grad, 2.0)
                 if self._note_finite:
                     low, high = grad.aminmax()  # both finite: no inf, no NaN (they propagate)
                     self.finite[slot.index] = bool(torch.isfinite(low) & torch.isfinite(high))
@@ -328,12 +335,12 @@ class ParameterStream:
 
     def grad_norm(self, index: int, ord: float) -> torch.Tensor:
         """The ``ord``-norm of slot ``index``'s kept gradient, as torch would compute it on the
-        gradient in memory (:func:`_norm`): the 2-norm noted as backward finalized it, or, after
-        a recorded edit or for another norm, computed on the gradient read back."""
+        gradient in memory (:func:`norm_as_torch`): the 2-norm noted as backward finalized it,
+        or, after a recorded edit or for another norm, computed on the gradient read back."""
         edits = self.parts.state.grad_edits.get(index)
         if ord == 2.0 and not edits and index in self.norms:
             return self.norms[index].clone()
-        return _norm(self._kept_grad(index), ord)
+        return norm_as_torch(self._kept_grad(index), ord)
 
     def grad_finite(self, index: int) -> bool:
         """Whether slot ``index``'s kept gradient, edited as recorded, has no inf or NaN (what
@@ -358,8 +365,7 @@ class ParameterStream:
     def _kept_grad(self, index: int) -> torch.Tensor:
         """Slot ``index``'s kept gradient, read back, with the edits recorded for it applied
         (they stay recorded: the step applies them to the kept gradient)."""
-        param = self._slot(index).param
-        grad = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        grad = empty_for_upload(self._slot(index).param)
         self._read_into({index: grad.view(-1)}, grad=True)
         return apply_grad_edits(grad, self.parts.state.grad_edits.get(index, ()))
 
@@ -455,7 +461,7 @@ class ParameterStream:
             self._kept.discard(latest)
             self._free([latest])
         try:
-            self._read_into({i: allocate(self._slot(i).param) for i in missing})
+            self._read_into({i: allocate_for_upload(self._slot(i).param) for i in missing})
         except BaseException:
             for index in missing:
                 free(self._slot(index).param)
@@ -585,14 +591,3 @@ class ParameterStream:
 def _kept(value: Any) -> Any:
     """A clipping factor or bound as recorded: a tensor copied (the caller may reuse it)."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
-    """``grad``'s ``ord``-norm as ``torch.nn.utils.get_total_norm`` takes each gradient's:
-    with ``torch._foreach_norm`` where torch would use it, else ``torch.linalg.vector_norm``."""
-    norm: torch.Tensor
-    if _has_foreach_support([grad], grad.device):
-        norm = torch._foreach_norm([grad], ord)[0]
-    else:
-        norm = torch.linalg.vector_norm(grad, ord)
-    return norm

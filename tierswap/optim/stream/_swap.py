@@ -6,6 +6,12 @@ policy keeps resident (host or device tier) is copied from that slice's tensors;
 read from the store by a job of the optimizer's :class:`~tierswap.pipeline.Pipeline` (one job
 per segment, within the host budget) or written behind to it.
 
+Values go to a parameter on a GPU through the engine's transfer layer: its memory is allocated
+for uploads (:func:`allocate_for_upload`) and each segment is copied on the upload stream, so
+the copy runs while the kernels of the modules before it still compute; the compute stream
+waits for it before the module's kernels (the calling thread waits only until the copy has read
+the host buffer, which then goes back to the pool).
+
 Private to :mod:`tierswap.optim.stream`.
 """
 
@@ -15,11 +21,21 @@ from typing import Any
 
 import torch
 
+from tierswap.engine import transfers_for
 from tierswap.io import footprint
 from tierswap.optim.plan import Layout, Segment, Slot, master_dtype
+from tierswap.optim.stream._storage import allocate
 from tierswap.pipeline import Job, Pipeline, Region
 
-__all__ = ["keep_grad", "keep_values", "read_into", "read_job", "segments"]
+__all__ = [
+    "allocate_for_upload",
+    "empty_for_upload",
+    "keep_grad",
+    "keep_values",
+    "read_into",
+    "read_job",
+    "segments",
+]
 
 
 def segments(layout: Layout, slot: Slot) -> list[tuple[int, Segment]]:
@@ -68,6 +84,21 @@ def _keep(
             pipeline.write_behind({region: flat[seg.start : seg.stop]})
 
 
+def allocate_for_upload(param: torch.Tensor) -> torch.Tensor:
+    """Give ``param`` memory for :func:`read_into` to fill; returns its flat view. On a GPU it
+    comes from the upload stream's pool, so that the copies need not wait for the compute
+    stream."""
+    with transfers_for(param.device).allocating():
+        return allocate(param)
+
+
+def empty_for_upload(like: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``like``'s shape, dtype and device for :func:`read_into` to fill
+    (allocated as :func:`allocate_for_upload` allocates)."""
+    with transfers_for(like.device).allocating():
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
 def read_into(
     pipeline: Pipeline,
     layout: Layout,
@@ -76,7 +107,8 @@ def read_into(
     *,
     grad: bool = False,
 ) -> tuple[int, int]:
-    """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's master
+    """Fill each flat tensor of ``targets`` (slot index -> tensor; on a GPU, memory allocated
+    for uploads: :func:`allocate_for_upload`, :func:`empty_for_upload`) with that slot's master
     (or, with ``grad``, its kept gradient): copied from the resident slices, read from the
     store for the others (the reads named in ``ahead``, started ahead, are consumed: their
     names leave it). Bytes copied, bytes read."""
@@ -89,7 +121,7 @@ def read_into(
             kept = pipeline.resident(piece)
             if kept is not None:
                 value = kept[_region(slot, seg, grad=grad)]
-                target[seg.start : seg.stop].copy_(value)
+                _fill(target[seg.start : seg.stop], value)
                 copied += value.numel() * value.element_size()
             else:
                 jobs.append(read_job(slot, seg, grad=grad))
@@ -97,12 +129,22 @@ def read_into(
     ahead.difference_update(into)
 
     def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
-        into[job.name].copy_(tensors[job.reads[0]])
+        _fill(into[job.name], tensors[job.reads[0]])
         return {}
 
     with torch.no_grad():
         pipeline.run(jobs, work)
     return copied, sum(t.numel() * t.element_size() for t in into.values())
+
+
+def _fill(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy host ``value`` into ``target`` (memory allocated for uploads) through the transfer
+    layer of ``target``'s device (on the CPU a plain copy); the compute stream waits for the
+    copy, this thread only until the copy has read ``value``."""
+    transfers = transfers_for(target.device)
+    copy = transfers.to_device(value, target, upload_memory=True)
+    transfers.ready(copy)
+    copy.done.result()
 
 
 def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
