@@ -241,6 +241,10 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
 #: ``max_in_cpu`` at its default; at 24 x 2048, 5 ran out ("Not enough buffers") and 16
 #: (6.6 GB pinned) outgrew 24 GiB of RAM. ``TIERSWAP_DS_BUFFERS`` overrides it.
 BUFFERS = int(os.environ.get("TIERSWAP_DS_BUFFERS", "5"))
+#: ``offload_param``'s ``max_in_cpu``: parameter elements DeepSpeed keeps in RAM (its default,
+#: 1e9, unless ``TIERSWAP_DS_MAX_IN_CPU`` says otherwise: above the model's size, as at 1.3B,
+#: no parameter goes to NVMe and the swap-buffer failure above cannot happen).
+MAX_IN_CPU = float(os.environ.get("TIERSWAP_DS_MAX_IN_CPU", "1e9"))
 
 
 def deepspeed_config(
@@ -286,8 +290,9 @@ def deepspeed_config(
             "pin_memory": True,
             "buffer_count": BUFFERS,
             "buffer_size": 50304 * args.gpt2_width,  # the largest parameter: the embedding
-        }  # max_in_cpu left at its default: with 0, 0.19.8's first forward runs out of
-        # buffers (its swapped-in parameters are never let go: DeepSpeed issue 3062)
+            "max_in_cpu": MAX_IN_CPU,
+        }  # with max_in_cpu 0, 0.19.8's first forward runs out of buffers (its swapped-in
+        # parameters are never let go: DeepSpeed issue 3062)
     return config
 
 

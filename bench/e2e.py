@@ -22,7 +22,11 @@ rounds interleaved so that machine load hits them alike; the figure is the media
                 ds-param runs when a stream mode does, the other two when another mode does
 
 --model gpt2 --gpt2-layers L --gpt2-width D sizes the GPT-2 (heads of 64; 124M by default), as
-the parameter-streaming comparison needs (about 1.3B: 24 layers of 2048).
+the parameter-streaming comparison needs (about 1.3B: 24 layers of 2048). At that size
+DeepSpeed's ds-param runs only with its parameters in RAM: TIERSWAP_DS_MAX_IN_CPU=2e9 (its
+max_in_cpu, in elements) keeps them all there, as at 100M its default does; the tierswap mode
+that keeps them in RAM too is stream-ram (device_budget 8 GiB). --compute adds the 'compute'
+run (forward and backward in RAM, no optimizer) to any model.
 
 The I/O bound is the bytes tierswap's default mode reads and writes per iteration (its
 ``tier_stats()``) at fio's sequential O_DIRECT bandwidth on the same folder (tierswap's shared
@@ -115,6 +119,10 @@ MODES: dict[str, dict[str, Any]] = {
     "stream-fused": {"offload_parameters": True, "fused": True},
     # ... with 256 MiB of parameters kept between uses (device_budget: Belady on their order)
     "stream-kept": {"offload_parameters": True, "device_budget": "256MiB"},
+    # ... with room for every parameter between uses (8 GiB: up to 2B fp32), as DeepSpeed's
+    # offload_param keeps them in RAM up to its max_in_cpu: only the step's state moves
+    "stream-ram": {"offload_parameters": True, "device_budget": "8GiB"},
+    "stream-ram-fused": {"offload_parameters": True, "device_budget": "8GiB", "fused": True},
     # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
     "striped": {},
     "fused-striped": {"fused": True},
@@ -263,7 +271,7 @@ def _spawn(args: argparse.Namespace, config: str, swap_dir: Path) -> dict[str, A
 def _configurations(args: argparse.Namespace) -> tuple[list[str], str | None]:
     """The configurations to run, and a note when DeepSpeed's are skipped."""
     fused = any(MODES[mode].get("fused") for mode in args.modes)
-    compute = ["compute"] if args.model == "gpulike" else []
+    compute = ["compute"] if args.model == "gpulike" or args.compute else []
     ram = [] if args.no_ram else ["ram", *(["ram-fused"] if fused else [])]
     configs = [*compute, *ram, *args.modes]
     if args.no_deepspeed:
@@ -561,6 +569,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-ram", action="store_true",
         help="skip the in-RAM baselines (a model whose state does not fit in RAM)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compute", action="store_true",
+        help="add the 'compute' run (forward and backward in RAM, no optimizer: parameters "
+        "and gradients must fit) for any model; --model gpulike always has it",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="runs of every configuration")
     p.add_argument("--iters", type=int, default=6, help="iterations per run; 2..iters count")
