@@ -538,8 +538,9 @@ def check_copy_overlap(folder: Path, steps: int) -> None:
 
 def _module_spans(model: torch.nn.Module, spans: list) -> list:
     """Hook each module that owns parameters so that an event pair on the compute stream
-    brackets its forward (after the stream's hooks: its parameters' copies are issued and
-    waited for before the first event); returns the handles."""
+    brackets its forward; called after the optimizer hooked the modules, so that the stream's
+    hooks run first (the parameters' copies are issued, and waited for by the compute stream,
+    before the first event: the span is the module's kernels alone). Returns the handles."""
     handles = []
     for module in model.modules():
         if DEVICE != "cuda" or not list(module.parameters(recurse=False)):
@@ -571,7 +572,7 @@ def check_parameter_copy_overlap(folder: Path, steps: int) -> None:
         stream_swap.transfers_for = lambda device: timed if device.type == "cuda" else original(
             device)  # fmt: skip
     spans: list = []
-    handles = _module_spans(swap_model, spans)
+    handles: list = []
     opts: list = []
     try:
         for model, streamed in ((plain_model, False), (swap_model, True)):
@@ -580,6 +581,7 @@ def check_parameter_copy_overlap(folder: Path, steps: int) -> None:
                 swap_dir=folder / f"param-copies-{streamed}", host_budget="256MiB",
                 durable=False, offload_parameters=streamed,
             ))  # fmt: skip
+        handles = _module_spans(swap_model, spans)  # after the stream's hooks: compute only
         start = None
         for index, x in enumerate(data):
             if index == steps - 1 and timed is not None:
