@@ -645,6 +645,7 @@ def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_bud
         assert per_step >= 2 * total  # forward and backward read every parameter
     elif device_budget >= total:
         assert per_step == 0  # everything stays
+        assert fetched[1] == fetched[0]  # from the first iteration on, which records the order
     else:
         assert 0 < per_step < 2 * total
     _same_state_dicts(ref, model)

@@ -27,10 +27,10 @@ kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` holds the parameters in use and keeps others between uses: when some are
 done with, those idle ones whose next use in the recorded order comes soonest keep their
-values (Belady, within what the budget leaves beside those in use), and a read frees kept ones,
-those used latest first, until it fits beside them; the step updates a kept parameter in place,
-so it is read no more. Parameters in use are never freed: a module larger than the budget
-takes its own size.
+values (Belady, within what the budget leaves beside those in use; those that fit while the
+first iteration records the order), and a read frees kept ones, those used latest first, until
+it fits beside them; the step updates a kept parameter in place, so it is read no more.
+Parameters in use are never freed: a module larger than the budget takes its own size.
 
 Values written into a parameter outside the optimizer (an init, a clamp: its ``_version``
 moves, or its guard reports an edit through ``.data``) are put where its values are kept
@@ -474,10 +474,10 @@ class ParameterStream:
     def _let_go(self, indices: Iterable[int]) -> None:
         """The parameters of slots ``indices`` are not in use any more: keep those whose next
         use comes soonest within what ``device_budget`` leaves beside the parameters still in
-        use (Belady on the recorded order, among them and those kept already), free the
-        others."""
+        use (Belady on the recorded order, among them and those kept already; while the first
+        iteration records it, those that fit), free the others."""
         idle = self._kept | set(indices)
-        if not self._budget or self._recording:
+        if not self._budget:
             self._free(idle)
             self._kept.clear()
             return
