@@ -1,8 +1,10 @@
 """A streamed parameter's values reach its device through the engine's transfer layer, as on a
 GPU: memory allocated for uploads, copies on the upload stream that the compute stream waits
 for. The recording stand-in of the transfer layer copies late (the target holds NaN until its
-copy has run), so a module that used its parameters before their copy, or a host buffer reused
-while a copy still read it, would change the results: training stays bitwise torch's."""
+copy has run), so a module that used its parameters before their copy was waited for would
+change the results: training stays bitwise torch's. (The stand-in's wait is the calling
+thread's, so a host buffer reused before its copy has read it shows only on a GPU:
+``bench/gpu_check.py``, check 11.)"""
 
 from __future__ import annotations
 
