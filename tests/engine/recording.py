@@ -101,8 +101,9 @@ class RecordingTransfers:
             self.note("upload_memory", (), number)
         if device_tensor is None:
             device_tensor = _garbage_like(host_tensor)
-        else:  # what a GPU's buffer holds before its copy runs
-            device_tensor.fill_(float("nan") if device_tensor.is_floating_point() else 90)
+        else:  # what a GPU's buffer holds before its copy runs (autograd records no copy)
+            with torch.no_grad():
+                device_tensor.fill_(float("nan") if device_tensor.is_floating_point() else 90)
         target = device_tensor
         self.note("h2d", (host_tensor.data_ptr(), device_tensor.data_ptr()), number)
         done = self._later(

@@ -54,6 +54,46 @@ def test_a_copy_back_casts_into_a_buffer_of_another_dtype_even_when_empty() -> N
     assert empty.host_tensor.dtype == torch.float32
 
 
+def _transfers(kind: str):
+    if kind == "cpu":
+        return transfers_for(torch.device("cpu"))
+    if kind == "stand-in":
+        return RecordingTransfers(delay=0.001)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return transfers_for(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "stand-in", "cuda"])
+def test_copies_of_a_stepped_parameter_work_with_grad_mode_on(kind: str) -> None:
+    """A commit at ``close()`` runs with grad mode on and copies views of parameters that a
+    step made under ``no_grad`` and then changed in place (torch refuses any recorded use of
+    such a view). Copies both ways work there, and autograd records none of them."""
+    transfers = _transfers(kind)
+    device = transfers.device
+    param = torch.nn.Parameter(torch.arange(8.0, device=device))
+    with torch.no_grad():
+        view = param.view(-1)[2:6]
+        param.mul_(2)  # the step
+    assert torch.is_grad_enabled()
+    back = transfers.to_host(view, torch.zeros(4, dtype=torch.float64))
+    back.done.result()
+    assert back.host_tensor.grad_fn is None
+    assert not back.host_tensor.requires_grad
+    assert torch.equal(back.host_tensor, torch.tensor([4.0, 6.0, 8.0, 10.0], dtype=torch.float64))
+    whole = transfers.to_host(view)  # a new buffer, or the view itself where nothing moves
+    whole.done.result()
+    assert not whole.host_tensor.requires_grad
+    assert torch.equal(whole.host_tensor.cpu(), torch.tensor([4.0, 6.0, 8.0, 10.0]))
+    into = transfers.to_device(torch.full((4,), -1.0), view)
+    transfers.ready(into)
+    into.done.result()
+    assert param.grad_fn is None
+    assert torch.equal(param.detach().cpu(), torch.tensor([0.0, 2.0, -1, -1, -1, -1, 12, 14]))
+    if kind == "stand-in":
+        transfers.close()
+
+
 def test_the_stand_in_copies_late_and_logs_in_order() -> None:
     transfers = RecordingTransfers(delay=0.01)
     try:

@@ -9,7 +9,9 @@ that its copy runs while the module before it computes); :meth:`Transfers.to_hos
 *download* stream wait for the compute work queued so far, copies there, and returns at once
 with a future of the moment the bytes have landed (the write-behind waits for it, never the
 caller). Every copy also has a future of the moment it has read its source, so a host buffer
-returns to a pool only when no copy reads it.
+returns to a pool only when no copy reads it. No copy is recorded by autograd, whatever the
+caller's grad mode: a commit at ``close()`` runs with grad mode on, and reading a view of a
+parameter made under ``no_grad`` after a step changed the parameter in place would raise there.
 
 :class:`CudaTransfers` (one per GPU; a daemon thread completes the futures as the events are
 reached), :class:`PassThrough` (the CPU: nothing moves) and test stand-ins with the same
@@ -73,7 +75,8 @@ class Transfers(Protocol):
     device are the same memory (nothing is copied, every future is complete), which lets a front
     end skip the device's bookkeeping. Thread safety: :meth:`to_device`, :meth:`ready` and
     :meth:`to_host` are called from the thread that queues the compute work (the ordering they
-    give is that of its current stream); the futures they return complete on any thread."""
+    give is that of its current stream), in any grad mode: no copy is recorded by autograd; the
+    futures they return complete on any thread."""
 
     device: torch.device
     moves: bool
@@ -123,9 +126,11 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _copy_now(value: torch.Tensor, host_tensor: torch.Tensor | None) -> ToHost:
     """``value`` as the 1-D tensor to write: copied into ``host_tensor`` when that is other
     memory, else itself (a synchronous copy: nothing to wait for)."""
+    value = value.detach()
     if host_tensor is None or _same_memory(value, host_tensor):
         return ToHost(value.view(-1), completed())
-    host_tensor.copy_(value.view(-1))
+    with torch.no_grad():
+        host_tensor.copy_(value.view(-1))
     return ToHost(host_tensor, completed())
 
 
@@ -149,7 +154,8 @@ class PassThrough:
     ) -> ToDevice:
         if device_tensor is None or _same_memory(host_tensor, device_tensor):
             return ToDevice(host_tensor, None, completed())
-        device_tensor.copy_(host_tensor)
+        with torch.no_grad():
+            device_tensor.copy_(host_tensor)
         return ToDevice(device_tensor, None, completed())
 
     def allocating(self) -> contextlib.AbstractContextManager[None]:
@@ -234,7 +240,7 @@ class CudaTransfers:
     ) -> ToDevice:
         if device_tensor is not None and not upload_memory:  # the compute stream's memory,
             self._upload.wait_stream(torch.cuda.current_stream(self.device))  # maybe in use
-        with torch.cuda.stream(self._upload):
+        with torch.cuda.stream(self._upload), torch.no_grad():
             if device_tensor is None:
                 device_tensor = torch.empty_like(host_tensor, device=self.device)
             device_tensor.copy_(host_tensor, non_blocking=True)
@@ -266,8 +272,8 @@ class CudaTransfers:
         self._download.wait_event(step_event)  # after the step that made the value
         if host_tensor is None:
             host_tensor = allocate((device_tensor.numel(),), device_tensor.dtype)
-        with torch.cuda.stream(self._download):
-            host_tensor.copy_(device_tensor.view(-1), non_blocking=True)
+        with torch.cuda.stream(self._download), torch.no_grad():
+            host_tensor.copy_(device_tensor.detach().view(-1), non_blocking=True)
         device_tensor.record_stream(self._download)
         d2h_event = self._download.record_event()
         return ToHost(host_tensor, self._waiter.when_reached(d2h_event))

@@ -404,7 +404,8 @@ class SwapOptimizer(Assembly):
         except BaseException as exc:  # it failed: no final commit (it warns), then raise it
             failure = failure or exc
         try:
-            persist.final_commit(self._parts)
+            with torch.no_grad():  # as a step's commits: values are read, not recorded
+                persist.final_commit(self._parts)
         finally:  # the lock and the store are released even when the commit fails
             try:
                 if self._stream is not None:  # the model gets its parameters' values back
