@@ -212,3 +212,40 @@ def test_a_device_budget_below_a_slice_is_refused_when_slices_step_there(recorde
     model = torch.nn.Linear(128, 64)
     with pytest.raises(ConfigError, match="device_budget"):
         SwapOptimizer(model.parameters(), host_budget="1MiB", device_budget="1KiB")
+
+
+def test_a_commit_writes_device_resident_slices_larger_than_the_host_budget(
+    monkeypatch, tmp_path
+) -> None:
+    """A GPU's budget may exceed the host's: a commit writes each slice resident on the device
+    through host buffers of the host budget, a region at a time, never the whole slice at once
+    (which may not fit there), and with grad mode on at ``close()``."""
+    transfers = RecordingTransfers()
+    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+    model = copy.deepcopy(ref_model)
+    state = 8 * sum(p.numel() for p in model.parameters())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = SwapOptimizer(
+        model.parameters(), lr=1e-2, swap_dir=tmp_path / "run", host_budget=state // 4,
+        device_budget=state, commit_every=2,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    with opt:
+        assert "device" in opt.placement.values()
+        for _ in range(3):  # the third step is committed by close()
+            x = torch.randn(16, 512, generator=gen)
+            for m, o in ((ref_model, ref), (model, opt)):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+    resumed_model = copy.deepcopy(ref_model)
+    with SwapOptimizer(
+        resumed_model.parameters(), lr=1e-2, swap_dir=tmp_path / "run", resume=True,
+        host_budget=state // 4, device_budget=state,
+    ) as resumed:  # fmt: skip
+        assert resumed.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+        assert_same_state(ref.state_dict(), resumed.state_dict())
+    assert_same_params(ref_model, model)
+    transfers.close()

@@ -444,7 +444,10 @@ class Pipeline:
         for tier, book in self._kept.items():
             for tensors in book.values():
                 if tier == DEVICE and self._transfers.moves:
-                    self.write_behind(tensors)
+                    # a region at a time: a job resident on the device (the parameters it
+                    # writes beside its state) can be larger than the host budget's room
+                    for region, tensor in tensors.items():
+                        self.write_behind({region: tensor})
                 else:
                     on_host.update(tensors)
         self._disk.write(on_host)
