@@ -129,8 +129,12 @@ def test_gpt2_initialized_by_its_init_weights_one_module_at_a_time(tmp_path: Pat
 
 @pytest.mark.parametrize("master", ["fp32", "remainder"])
 def test_bf16_parameters_get_masters_of_their_first_values(tmp_path: Path, master: str) -> None:
-    def build() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).bfloat16()
+    def build() -> torch.nn.Module:  # built in bf16: whether torch draws a bf16 init as it
+        # draws an fp32 one and casts it depends on its version
+        bf16 = torch.bfloat16
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 16, dtype=bf16), torch.nn.Linear(16, 4, dtype=bf16)
+        )
 
     ref = _built(build, meta=False)
     model = _built(build, meta=True)

@@ -176,9 +176,11 @@ def _gpt2(checkpointing: str) -> torch.nn.Module:
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
     if checkpointing != "none":
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
-        )
+        reentrant = {"use_reentrant": checkpointing == "reentrant"}
+        if hasattr(model, "activation_checkpointing_enable"):  # newer transformers
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     return model.train()
 
 
