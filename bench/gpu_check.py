@@ -354,7 +354,8 @@ def check_speculation(folder: Path, steps: int, width: int = 2048) -> None:
                     else schedule["redone"] > 0 or DEVICE == "cuda"
                 )
                 ok = ok and schedule["speculated"] > 0 and redone_ok
-        ok = ok and same(finals[None], finals["auto"])
+        figures[f"bitwise_clip{clip:g}"] = same(finals[None], finals["auto"])
+        ok = ok and figures[f"bitwise_clip{clip:g}"]
     record("speculation (the default): bitwise with clipping; backward seconds", ok, **figures)
 
 
