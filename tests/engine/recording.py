@@ -6,7 +6,8 @@ copied to the "device" holds garbage (NaN) until its copy has run, so a step tha
 for it computes garbage; a tensor copied back holds the bytes only once its future completes.
 Every copy issued, event waited for, event recorded and copy finished is appended to ``log``;
 tests add what they see (a step starting and ending, a disk write) with :meth:`note`, then check
-the order with the functions below.
+the order with the functions below. It also counts the bytes of the "device" tensors it made that
+are still alive (``device_bytes``, ``peak_device_bytes``): memory a GPU could not reuse yet.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
@@ -75,6 +77,20 @@ class RecordingTransfers:
         )
         self._thread = threading.Thread(target=self._copy_engine, daemon=True)
         self._thread.start()
+        #: Bytes of the device tensors made by :meth:`to_device` still referenced, and the most.
+        self.device_bytes = self.peak_device_bytes = 0
+        self._bytes_lock = threading.RLock()  # (a finalizer may run inside a section)
+
+    def _made(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._bytes_lock:
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        weakref.finalize(tensor, self._freed, nbytes)
+
+    def _freed(self, nbytes: int) -> None:
+        with self._bytes_lock:
+            self.device_bytes -= nbytes
 
     def note(self, kind: str, ptrs: tuple[int, ...] = (), copy: int = 0) -> None:
         with self._lock:
@@ -101,6 +117,7 @@ class RecordingTransfers:
             self.note("upload_memory", (), number)
         if device_tensor is None:
             device_tensor = _garbage_like(host_tensor)
+            self._made(device_tensor)
         else:  # what a GPU's buffer holds before its copy runs (autograd records no copy)
             with torch.no_grad():
                 device_tensor.fill_(float("nan") if device_tensor.is_floating_point() else 90)

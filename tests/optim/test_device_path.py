@@ -129,6 +129,9 @@ def test_device_path_is_ordered_and_bitwise(placement, recorder, tmp_path) -> No
         assert_same_state(ref.state_dict(), opt.state_dict())
         stats = opt.tier_stats()
         assert 0 <= stats["device"]["used"] <= stats["device"]["budget"]
+        # the device tensors of the copies in never outlive their bytes in the device ledger
+        # (a GPU could not give their memory to the next slice's copies)
+        assert recorder.peak_device_bytes <= stats["device"]["peak"]
     log = recorder.log
     assert steps_after_their_copies(log) == []
     assert writes_after_landing(log) == []
@@ -248,4 +251,32 @@ def test_a_commit_writes_device_resident_slices_larger_than_the_host_budget(
         assert resumed.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
         assert_same_state(ref.state_dict(), resumed.state_dict())
     assert_same_params(ref_model, model)
+    transfers.close()
+
+
+def test_a_slice_copied_in_never_outlives_its_bytes_in_the_device_ledger(
+    monkeypatch, tmp_path
+) -> None:
+    """Slices streamed through a device budget of two: the device tensors of a slice's copies
+    go when the ledger gives their bytes to the next slice (a GPU could not reuse memory that
+    is still referenced: its real peak would pass the budget)."""
+    transfers = RecordingTransfers(delay=None)
+    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    state = 8 * sum(p.numel() for p in model.parameters())
+    opt = SwapOptimizer(
+        model.parameters(), lr=1e-2, swap_dir=tmp_path / "run", host_budget=state // 4,
+        device_budget=state // 4, durable=False,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    with opt:
+        assert not opt.placement  # every slice is copied in and out each step
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 256, generator=gen)).square().mean().backward()
+            opt.step()
+        opt.synchronize()
+        ledger_peak = opt.tier_stats()["device"]["peak"]
+    assert 0 < transfers.peak_device_bytes <= ledger_peak
     transfers.close()

@@ -170,6 +170,9 @@ class Pipeline:
                     self._give_back(job, tensors)
                 raise
             self._finish(job, tensors, staged, writes)
+            # its device tensors go now: the device ledger may already have given their bytes
+            # to the next job, whose copies would else be made while these still hold them
+            del staged, writes
             self._read_ahead(jobs[position + 1 :])
 
     def hold(self, job: Job) -> dict[Region, torch.Tensor]:
