@@ -120,6 +120,9 @@ class DeviceStaging(Generic[K]):
             self._ledger.count_moved(out=moved)
 
         def release(_: Future[Any]) -> None:
+            # the device tensors go with their bytes (this closure outlives the call: the
+            # future keeps it, and a write waiting for the future keeps that)
+            staged.copies.clear()
             with self._ledger.cv:  # one section: a waiter never sees neither pending nor freed
                 self._pending -= 1
                 self._ledger.release(staged.nbytes)
