@@ -52,3 +52,19 @@ def test_budgets_small_against_the_state_keep_the_floor(monkeypatch: pytest.Monk
     layout = _layout.plan_layout(slots, host_budget=budget, device_budget=0, policy="lookahead")
     assert max(piece.held_bytes for piece in layout.slices) >= FLOOR // 8
     assert _resident_bytes(layout) <= budget - FLOOR
+
+
+@pytest.mark.parametrize("share", [1.0, 0.8])
+def test_a_gpu_budget_that_holds_the_state_keeps_every_slice(share: float) -> None:
+    """Slices that step on a GPU pass through its memory when they stream, so the device tier
+    reserves room for three of them beside the resident ones; a device budget that holds all
+    the slices' working sets reserves none: every slice stays there (below that, some stream;
+    here, four slices of a quarter each, none stays)."""
+    slots = _slots()
+    state = _state(slots)
+    layout = _layout.plan_layout(
+        slots, host_budget=state // 4, device_budget=int(share * 1.01 * state),
+        policy="lookahead", device_compute=True,
+    )  # fmt: skip
+    on_device = [piece for piece in layout.slices if layout.placement.get(piece.index) == "device"]
+    assert (len(on_device) == len(layout.slices)) == (share == 1.0)

@@ -141,6 +141,7 @@ def plan_layout(
         check_budget(slices, device_budget, "device_budget")
     capacities = _capacities(
         max(map(sizes.held, slices), default=0), max(map(sizes.work, slices), default=0),
+        total=sum(map(sizes.held, slices)),
         budget=budget - sizes.scales(slots), stream=stream, device_budget=device_budget,
         device_compute=device_compute,
     )  # fmt: skip
@@ -207,12 +208,13 @@ def _streaming_part(budget: int, device_budget: int, state: int) -> int:
 
 
 def _capacities(
-    largest: int, work_buffer: int, *, budget: int, stream: int, device_budget: int,
+    largest: int, work_buffer: int, *, total: int, budget: int, stream: int, device_budget: int,
     device_compute: bool,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes each tier has for resident slices: the device budget (less the streamed slices
-    passing through it when the step runs there), and the host budget less its streaming part
-    (``stream``, or the slices in flight and the work buffer when they need more).
+    passing through it when the step runs there, unless it holds all ``total`` bytes of the
+    slices: then none streams), and the host budget less its streaming part (``stream``, or the
+    slices in flight and the work buffer when they need more).
 
     On the CPU a slice holds its :attr:`~Slice.held_bytes` from its reads to the end of its
     write-back, resident or streamed, and the step's work buffers (the fp32 decodings of
@@ -222,7 +224,7 @@ def _capacities(
     working set.
     """
     capacities: dict[str, int] = {DEVICE: device_budget}
-    if device_compute:  # streamed slices pass through the device
+    if device_compute and total > device_budget:  # streamed slices pass through the device
         capacities[DEVICE] = max(device_budget - DEVICE_STREAM_SLICES * largest, 0)
     in_flight = STREAM_SLICES * largest if stream else 0
     capacities[HOST] = budget - max(stream, in_flight + work_buffer)
