@@ -22,11 +22,10 @@ status is non-zero when any check fails. Checks:
      with what the device ledger counted at its peak and the peak with fused AdamW (no
      temporaries), to tell what the ledger does not count.
   8. copy/step overlap: slices that the host tier holds stream through the device (slices
-     read from the disk arrive after the step before them has ended: the disk, not the copy,
-     is what they wait for there): each
-     slice's host-to-device copy (side stream) and step (compute stream) timed with CUDA events
-     on one timeline: the copies overlap the steps (seconds both ran, copies that ran during a
-     step), and the result is bitwise equal to torch's CUDA AdamW.
+     read from the disk arrive after the step before them has ended: they wait for the disk,
+     not the copy): each slice's host-to-device copy (side stream) and step (compute stream)
+     timed with CUDA events on one timeline: the copies overlap the steps (seconds both ran,
+     copies that ran during a step), and the result is bitwise equal to torch's CUDA AdamW.
   9. speculation (the default, overlap="auto"): slices step on the worker during backward,
      step() checks them; bitwise equal to overlap=None with clipping that never and that
      always triggers (nothing redone / slices redone on the CPU; on a GPU the worker's slices
@@ -346,8 +345,9 @@ def check_speculation(folder: Path, steps: int, width: int = 2048) -> None:
                 figures[f"redone_clip{clip:g}"] = schedule["redone"]
                 # On a GPU backward returns once its kernels are queued, and the worker's
                 # slices often queue behind the clipping's: they step with the clipped
-                # gradients, their stamps hold, nothing is redone (a stamp is taken before
-                # its slice steps, on the same stream: never a step of other bytes than it).
+                # gradients, their stamps hold, nothing is redone. (A stamp is taken before
+                # its slice steps, on the same stream: a step that read bytes its stamp did
+                # not see is redone, as the stamp no longer holds.)
                 redone_ok = (
                     schedule["redone"] == 0
                     if clip > 1
