@@ -19,8 +19,9 @@ status is non-zero when any check fails. Checks:
      overlap=None, on a scratch store (no speculation), both bitwise equal, with CUDA-event
      timings of forward, backward, step.
   7. device memory: peak allocated <= model + grads + activations + device budget + 10%;
-     with what the device ledger counted at its peak and the peak with fused AdamW (no
-     temporaries), to tell what the ledger does not count.
+     with what the device ledger counted at its peak, the peak with fused AdamW (no
+     temporaries), and the bytes alive at the peak by the frame that allocated them (the
+     caching allocator's trace), to tell what the ledger does not count.
   8. copy/step overlap: slices that the host tier holds stream through the device (slices
      read from the disk arrive after the step before them has ended: they wait for the disk,
      not the copy): each slice's host-to-device copy (side stream) and step (compute stream)
@@ -359,11 +360,12 @@ def check_speculation(folder: Path, steps: int, width: int = 2048) -> None:
     record("speculation (the default): bitwise with clipping; backward seconds", ok, **figures)
 
 
-def _peak_of(model, opt, data) -> int:
+def _peak_of(model, opt, data, breakdown: dict | None = None) -> int:
     """Peak device bytes allocated over training steps after the first (``opt=None``: no step).
 
     The first step is left out: it creates the state, and torch's freshly made state of each
-    slice lives until its write-behind ends.
+    slice lives until its write-behind ends. ``breakdown``: filled with what was allocated in
+    those steps and alive at their peak, by where it was allocated (:func:`_live_at_peak`).
     """
     model.zero_grad(set_to_none=True)
     loss_of(model, data[0]).backward()
@@ -371,13 +373,52 @@ def _peak_of(model, opt, data) -> int:
         opt.step()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    for x in data[1:]:
-        model.zero_grad(set_to_none=True)
-        loss_of(model, x).backward()
-        if opt is not None:
-            opt.step()
-    sync()
+    if breakdown is not None:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+    try:
+        for x in data[1:]:
+            model.zero_grad(set_to_none=True)
+            loss_of(model, x).backward()
+            if opt is not None:
+                opt.step()
+        sync()
+        if breakdown is not None:
+            breakdown.update(_live_at_peak(torch.cuda.memory._snapshot()))
+    finally:
+        if breakdown is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
     return torch.cuda.max_memory_allocated()
+
+
+def _live_at_peak(snapshot: dict) -> dict:
+    """From the caching allocator's trace: the most bytes allocated at once since recording
+    began, and those bytes by the frame that allocated them (the innermost in tierswap, else
+    in torch's optimizers or autograd, else the innermost Python frame), largest first."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocated_at(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    by_frame: dict[str, int] = {}
+    for size, frame in at_peak.values():
+        by_frame[frame] = by_frame.get(frame, 0) + size
+    top = sorted(by_frame.items(), key=lambda item: -item[1])[:8]
+    return {"traced_peak": peak, "live_at_peak_by_frame": top}
+
+
+def _allocated_at(frames: list) -> str:
+    names = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames]
+    for marks in (("tierswap",), ("torch/optim", "torch/autograd")):
+        for frame, name in zip(frames, names, strict=True):
+            if any(mark in frame["filename"] for mark in marks):
+                return name
+    return names[0] if names else "?"
 
 
 def check_device_memory(folder: Path, steps: int) -> None:
@@ -390,13 +431,17 @@ def check_device_memory(folder: Path, steps: int) -> None:
     params_and_grads = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     without = _peak_of(model, None, data)
     device_budget = max(64 << 20, min_budget(model.parameters(), device_budget=1 << 40))
-    peaks, ledger = {}, {}
+    peaks, ledger, breakdown = {}, {}, {}
     for fused in (False, True):
         opt = ts.SwapOptimizer(model.parameters(), torch.optim.AdamW, fused=fused,
                                swap_dir=folder / f"mem-{fused}", host_budget=device_budget,
                                device_budget=device_budget, durable=False)  # fmt: skip
         with opt:
-            peaks[fused] = _peak_of(model, opt, data)
+            try:
+                peaks[fused] = _peak_of(model, opt, data, None if fused else breakdown)
+            except Exception as exc:  # (the allocator's history is a private torch API)
+                breakdown["error"] = f"{type(exc).__name__}: {exc}"
+                peaks[fused] = _peak_of(model, opt, data)
             ledger[fused] = opt.tier_stats()["device"].get("peak")
     peak = peaks[False]
     limit = without + 1.1 * device_budget
@@ -404,7 +449,7 @@ def check_device_memory(folder: Path, steps: int) -> None:
            peak <= limit, peak=peak, forward_backward_peak=without,
            device_budget=device_budget, ledger_peak=ledger[False],
            above_params_and_grads=peak - params_and_grads, peak_fused=peaks[True],
-           ledger_peak_fused=ledger[True])  # fmt: skip
+           ledger_peak_fused=ledger[True], **breakdown)  # fmt: skip
 
 
 def check_parameter_streaming(folder: Path, steps: int) -> None:
