@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tierswap import LookaheadPolicy, LRUPolicy, TierCache
+from tierswap.cache._core import CacheCore
 from tierswap.errors import (
     BudgetError,
     ConfigError,
@@ -93,6 +94,46 @@ def test_put_then_get(make: Callable[..., TierCache]) -> None:
     t.add_(1)  # the cache holds a copy
     torch.testing.assert_close(cache.get("new/x", tier="host"), t - 1)
     assert cache.get("new/x", tier="host").shape == (3, 5)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_put_of_a_stepped_parameter_view_with_grad_mode_on(
+    make: Callable[..., TierCache], tier: str
+) -> None:
+    """A view of a parameter made under ``no_grad`` whose base a step then changed in place:
+    torch refuses any recorded use of it, and a training loop puts it with grad mode on. The
+    cache copies it without autograd, into either tier, and again in place."""
+    cache = make(device_budget=3 * PAGE)
+    param = torch.nn.Parameter(torch.arange(2 * ITEM, dtype=torch.float32))
+    with torch.no_grad():
+        view = param.view(-1)[:ITEM]
+        param.mul_(2)
+    for _ in range(2):  # the second put of the same shape writes into the cached buffer
+        cache.put("p/view", view, tier=tier)
+        assert torch.equal(
+            cache.get("p/view", tier=tier), 2 * torch.arange(ITEM, dtype=torch.float32)
+        )
+        assert cache.get("p/view", tier=tier).grad_fn is None
+
+
+def test_a_put_whose_copy_fails_takes_no_room(
+    make: Callable[..., TierCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes reserved for a put go back when its copy fails: the tier's books balance, and
+    the cache closes cleanly and works on."""
+    cache = make()
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("copy failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CacheCore, "start_copy", failing)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            cache.put("new/x", torch.ones(ITEM), tier="host")
+    assert cache.stats().host.used == 0
+    assert cache.where("new/x") is None
+    cache.put("new/x", torch.ones(ITEM), tier="host")
+    assert torch.equal(cache.get("new/x", tier="host"), torch.ones(ITEM))
 
 
 def test_dirty_item_is_written_down_on_eviction(

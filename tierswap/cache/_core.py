@@ -330,8 +330,12 @@ class CacheCore:
     def add_copy(self, key: str, tensor: torch.Tensor, meta: Meta, tier: TierName) -> None:
         """A dirty entry holding a copy of ``tensor`` in ``tier`` (bytes reserved)."""
         t = self.tiers[tier]
-        buf = self._buffer(t, meta)
-        self.start_copy(buf, tier, tensor, from_device=tensor.device.type != "cpu").result()
+        try:
+            buf = self._buffer(t, meta)
+            self.start_copy(buf, tier, tensor, from_device=tensor.device.type != "cpu").result()
+        except BaseException:  # no entry joins: its bytes go back, the books stay balanced
+            t.untake(meta.footprint)
+            raise
         t.add(Entry(key, meta, tier, buf, dirty=True))
 
     def start_copy(
@@ -345,7 +349,8 @@ class CacheCore:
             return self.transfers.to_device(source, buf).done
         if self.transfers.moves and from_device:
             return self.transfers.to_host(source, buf.view(-1)).done
-        buf.copy_(source)
+        with torch.no_grad():  # a copy, never recorded by autograd (as the transfer layer's)
+            buf.copy_(source.detach())
         return completed()
 
     @staticmethod

@@ -168,6 +168,12 @@ class Tier:
         self.check()
         return taken
 
+    def untake(self, size: int) -> None:
+        """Return ``size`` bytes taken (:meth:`take`) for an entry that never joined (its copy
+        failed)."""
+        self.ledger.release(size)
+        self.check()
+
     # ------------------------------------------------------------ entries
     def add(self, entry: Entry) -> None:
         """``entry`` joins the tier; its bytes were reserved before (:meth:`take`)."""
