@@ -84,6 +84,16 @@ def recorder(monkeypatch) -> Iterator[RecordingTransfers]:
     transfers.close()
 
 
+@pytest.fixture
+def bare_recorder(monkeypatch) -> Iterator[RecordingTransfers]:
+    """The stand-in, copying at once, as the optimizer's transfer layer, and nothing else
+    patched: the layout's own streaming floor, the store's own reads and writes."""
+    transfers = RecordingTransfers(delay=None)
+    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
+    yield transfers
+    transfers.close()
+
+
 def logged(recorder: RecordingTransfers) -> type[torch.optim.AdamW]:
     """AdamW whose steps note, before and after, the tensors they update."""
 
@@ -223,13 +233,11 @@ def test_a_device_budget_below_a_slice_is_refused_when_slices_step_there(recorde
 
 
 def test_a_commit_writes_device_resident_slices_larger_than_the_host_budget(
-    monkeypatch, tmp_path
+    bare_recorder, tmp_path
 ) -> None:
     """A GPU's budget may exceed the host's: a commit writes each slice resident on the device
     through host buffers of the host budget, a region at a time, never the whole slice at once
     (which may not fit there), and with grad mode on at ``close()``."""
-    transfers = RecordingTransfers()
-    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
     torch.manual_seed(0)
     ref_model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
     model = copy.deepcopy(ref_model)
@@ -256,17 +264,14 @@ def test_a_commit_writes_device_resident_slices_larger_than_the_host_budget(
         assert resumed.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
         assert_same_state(ref.state_dict(), resumed.state_dict())
     assert_same_params(ref_model, model)
-    transfers.close()
 
 
 def test_a_slice_copied_in_never_outlives_its_bytes_in_the_device_ledger(
-    monkeypatch, tmp_path
+    bare_recorder, tmp_path
 ) -> None:
     """Slices streamed through a device budget of two: the device tensors of a slice's copies
     go when the ledger gives their bytes to the next slice (a GPU could not reuse memory that
     is still referenced: its real peak would pass the budget)."""
-    transfers = RecordingTransfers(delay=None)
-    monkeypatch.setattr(_assembly, "transfers_for", lambda device: transfers)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     state = 8 * sum(p.numel() for p in model.parameters())
@@ -283,5 +288,4 @@ def test_a_slice_copied_in_never_outlives_its_bytes_in_the_device_ledger(
             opt.step()
         opt.synchronize()
         ledger_peak = opt.tier_stats()["device"]["peak"]
-    assert 0 < transfers.peak_device_bytes <= ledger_peak
-    transfers.close()
+    assert 0 < bare_recorder.peak_device_bytes <= ledger_peak
