@@ -172,6 +172,35 @@ def test_write_behind_copies_within_the_budget_and_orders_later_reads(store) -> 
     assert pipeline.held == 0
 
 
+@pytest.mark.parametrize("how", ["write_behind", "write", "job"])
+def test_a_write_drops_the_reads_started_ahead_that_it_overlaps(store, how: str) -> None:
+    """A read started ahead of a write to its region has the bytes the write replaces: the
+    write drops it, and the job that consumes it reads the new bytes (the others stay)."""
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    stale, other = _jobs()[1:3]
+    pipeline.prefetch([stale, other])
+    pipeline.run([other], lambda job, t: {})  # the other read was consumed: no drop needed
+    pipeline.prefetch([other])
+    new = torch.full((2048,), 5.0)
+    target = Region("big", 0, 2048)
+    if how == "write_behind":
+        pipeline.write_behind({target: new})
+    elif how == "write":
+        pipeline.write({target: new}).result()
+    else:  # a job that writes the region it did not read
+        writer = Job("writer", (Region("a", 0, 100),), 2 * CHUNK)
+        pipeline.run([writer], lambda job, t: {target: new.clone()})
+    seen: dict[object, torch.Tensor] = {}
+    pipeline.run(
+        [stale, other], lambda job, t: seen.update({job.name: next(iter(t.values()))}) or {}
+    )
+    pipeline.drain()
+    assert torch.equal(seen[stale.name], new)
+    assert torch.equal(seen[other.name], torch.arange(2048.0, 4096.0))
+    # two reads ahead, the other's again, the stale one's again (and the writer's)
+    assert store.stats()["reads"] == 2 + 2 + 2 + 2 + (how == "job")
+
+
 def test_a_direct_write_orders_later_reads_and_reports_its_failure_to_its_caller(store) -> None:
     pipeline = Pipeline(store, budget=2 * CHUNK)
     values = torch.full((2048,), 3.0)
@@ -307,6 +336,20 @@ def test_a_work_buffer_that_does_not_fit_beside_the_resident_jobs_is_refused(sto
     with pytest.raises(BudgetError, match="work buffer"):
         pipeline.run([Job("b", (Region("b", 0, 100),), CHUNK, scratch=2 * CHUNK)], _double)
     assert pipeline.held == 3 * CHUNK  # the resident job, nothing else
+
+
+def test_a_work_buffer_held_for_earlier_jobs_gives_way_to_jobs_that_need_none(store) -> None:
+    """A run whose jobs need no work buffer may take the room of the one held since an
+    earlier run's (kept between runs, so that it costs no page faults)."""
+    pipeline = Pipeline(store, budget=4 * CHUNK)
+    pipeline.run(_scratch_jobs()[:1], _double)
+    pipeline.drain()
+    assert pipeline.held == CHUNK  # the work buffer stays
+    whole = Job("whole", (Region("big", 0, 4096),), 4 * CHUNK)
+    pipeline.run([whole], _double)  # the whole budget: the work buffer goes
+    pipeline.drain()
+    assert pipeline.held == 0
+    assert torch.equal(store.get("big")[:1024], 4 * torch.arange(1024.0))
 
 
 def test_a_job_without_scratch_gets_none(store) -> None:

@@ -143,9 +143,9 @@ class SwapOptimizer(Assembly):
         ``model.state_dict()`` reads them; :meth:`close` gives them back to the model (those
         built on the meta device go back to it, for a model too large for memory). Bitwise
         equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
-        bytes an element. A param group added later streams too. So far: the step runs after
-        backward (no speculation), and a parameter must be used inside the forward of a module
-        that owns it.
+        bytes an element. A param group added later streams too. With ``overlap="auto"``
+        the slices step in backward, in the gradient hooks, with the gradients still in
+        memory, and :meth:`step` checks them as above.
         ``docs/optimizer.md``, "Streaming parameters".
     param_init_fn:
         With ``offload_parameters``, for a model built on the meta device (too large to build
@@ -289,9 +289,8 @@ class SwapOptimizer(Assembly):
         (:meth:`~tierswap.optim.step.Stepper.grad_final`). With ``offload_parameters`` the
         gradient first goes to the swap space (:meth:`~tierswap.optim.stream.ParameterStream.
         grad_final`)."""
-        if self._stream is not None:
-            self._stream.grad_final(param)
-        self._stepper.grad_final(param)
+        grad = self._stream.grad_final(param) if self._stream is not None else None
+        self._stepper.grad_final(param, grad)
 
     @torch.no_grad()
     def clip_grad_norm_(

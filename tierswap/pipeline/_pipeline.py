@@ -45,6 +45,7 @@ from tierswap.engine import (
     StoreProtocol,
     Transfers,
     nbytes_of,
+    overlap,
     to_host_all,
     transfers_for,
 )
@@ -125,6 +126,7 @@ class Pipeline:
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
+        self._work_wanted = 0  # the work buffer's bytes that the jobs running now need
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
@@ -216,6 +218,8 @@ class Pipeline:
         held. ``wait``: make the room as a job's reads do, else only take room that is free
         now."""
         nbytes = max((job.scratch for job in jobs), default=0)
+        if wait:
+            self._work_wanted = nbytes
         if nbytes <= self._buffers.work_bytes:
             return True
         with self._cv:
@@ -276,6 +280,7 @@ class Pipeline:
         if job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes):
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
+        self._drop_stale(host_writes)
         self._disk.write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
         self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
 
@@ -359,6 +364,13 @@ class Pipeline:
         too little) and reads started ahead for this pass, which are dropped, latest first."""
         while (claimed := self._buffers.claim_and_reserve(nbytes, list(sizes))) is None:
             resident = self._kept[HOST].nbytes + self._buffers.work_bytes
+            if (
+                resident + nbytes > self.budget
+                and self._buffers.work_bytes
+                and not self._work_wanted
+            ):
+                self._buffers.drop_work()  # held for earlier jobs: this run's need none
+                continue
             if resident + nbytes > self.budget:
                 raise BudgetError(
                     f"a job of {nbytes} bytes does not fit the pipeline's budget of "
@@ -463,6 +475,7 @@ class Pipeline:
         must not change until the future completes); its failure is the future's alone (not
         raised by :meth:`run` or :meth:`drain`). Ordered as a write-behind: a later read of
         an overlapping region waits for it, and :meth:`drain` waits for it to end."""
+        self._drop_stale(writes)
         return self._disk.write(writes, keep_errors=False)
 
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
@@ -490,7 +503,20 @@ class Pipeline:
             self._buffers.give_back(buffers, nbytes)
             raise
         then = lambda _: self._buffers.give_back(buffers, nbytes)  # noqa: E731
+        self._drop_stale(writes)
         self._disk.write(on_host, after=landed, then=then)
+
+    def _drop_stale(self, writes: Iterable[Region]) -> None:
+        """Drop the reads started ahead that overlap ``writes``: they may have read the bytes
+        the writes replace (a read started after a write waits for it)."""
+        regions = tuple(writes)
+        stale = [
+            name
+            for name, reading in self._reading.items()
+            if any(overlap(a, b) for a in reading.job.reads for b in regions)
+        ]
+        for name in stale:
+            self._drop_reading(name)
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),

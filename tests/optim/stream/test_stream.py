@@ -110,6 +110,12 @@ def test_training_is_bitwise_torch_adamw(
     stats = opt.tier_stats()["parameters"]
     assert stats["streamed"] == len(list(model.parameters()))
     assert stats["live_bytes"] == 0
+    schedule = opt.tier_stats()["schedule"]
+    if overlap == "auto" and host_budget is not None:  # slices step in backward from step 2
+        assert schedule["speculated"] > 0
+        assert (schedule["redone"] > 0) == (clip < 1.0)  # clipping changed their gradients
+    else:  # resident slices step in step()
+        assert schedule["speculated"] == 0
     if host_budget is None:  # slices stay resident from their second step: copied from there
         assert fetched[0] > 0
         assert fetched[-1] == fetched[1]

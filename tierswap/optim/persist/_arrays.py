@@ -118,10 +118,16 @@ def restore_params(parts: OptimizerParts, segments: Iterable[Segment]) -> None:
     """Put back the pre-step value of each segment of a parameter after a rollback
     (:meth:`~tierswap.optim.persist.StateBackend.roll_back`): from the copy a speculative
     step wrote under its :attr:`~tierswap.optim.plan.Slot.param_key` (a parameter the store
-    keeps), else from its rolled-back master."""
+    keeps), else from its rolled-back master. A streamed parameter's values are its stored
+    ones, which the rollback restored: only one that keeps them in memory between uses gets
+    them back (through ``.data``: not an edit of it)."""
     for seg in segments:
         slot = seg.slot
-        key = slot.param_key if slot.persists_param else slot.master_key
+        if slot.streamed and slot.param.untyped_storage().nbytes() == 0:
+            continue
+        key = slot.restore_key
         value = parts.backend.read_region(Region(key, seg.start, seg.stop))
         with torch.no_grad():
-            flat(slot.param)[seg.start : seg.stop].copy_(value)
+            flat(slot.param.data if slot.streamed else slot.param)[seg.start : seg.stop].copy_(
+                value
+            )

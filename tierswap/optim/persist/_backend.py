@@ -181,8 +181,10 @@ class StateBackend:
         self.store.savepoint()
 
     def roll_back(self, regions: Iterable[Region]) -> None:
-        """Return ``regions`` (whole chunks) to the savepoint, after the writes in flight."""
+        """Return ``regions`` (whole chunks) to the savepoint, after the writes in flight;
+        reads started ahead go (they may hold the bytes rolled back)."""
         self.pipeline.drain()
+        self.pipeline.release()
         for region in regions:
             self.store.rollback(region.key, region.start, region.stop)
 

@@ -42,6 +42,10 @@ class StepPlan:
     #: order, before it steps (:func:`apply_grad_edits`): what clipping and unscaling did to
     #: the gradients in memory.
     grad_edits: dict[int, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    #: A streamed parameter's gradient still in memory (by slot), for a slice that steps in
+    #: backward as its gradients become final: it steps with it instead of the one it keeps
+    #: in the swap space, and reads only its state.
+    held: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -93,6 +94,7 @@ def slice_job(
     *,
     scratch: bool,
     scales_held: bool = False,
+    grads_held: Container[int] = (),
 ) -> Job:
     """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
     steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
@@ -100,7 +102,9 @@ def slice_job(
     step allocates its work tensors, and the job's bytes count them. With ``scales_held``
     (:attr:`~tierswap.optim.plan.Layout.held_scales`) the 8-bit scales of existing state
     are neither read nor counted: the work views them in :func:`scales_job`'s tensors
-    (:func:`scales_views`).
+    (:func:`scales_views`). The kept gradients of the slots in ``grads_held`` are not read (its
+    bytes still count them): the step takes them from memory
+    (:attr:`~tierswap.optim.plan.StepPlan.held`).
 
     A slice with a trainable parameter that has no state yet (its first step) steps with
     the state torch creates instead of decoded copies: that pass takes no share of the work
@@ -115,7 +119,7 @@ def slice_job(
     held = sum(seg.scales_bytes for seg in piece.segments if state_names.get(seg.slot.index))
     return Job(
         piece.index,
-        slice_reads(piece, state_names, scales_held=scales_held),
+        slice_reads(piece, state_names, scales_held=scales_held, grads_held=grads_held),
         piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0),
         tier=None if fresh else placement.get(piece.index),
         scratch=piece.scratch_bytes if shared else 0,
@@ -123,11 +127,17 @@ def slice_job(
 
 
 def slice_reads(
-    piece: Slice, state_names: dict[int, list[str]], *, scales_held: bool = False
+    piece: Slice,
+    state_names: dict[int, list[str]],
+    *,
+    scales_held: bool = False,
+    grads_held: Container[int] = (),
+    kept_grads: bool = True,
 ) -> tuple[Region, ...]:
     """The regions a slice reads: the state that exists (its 8-bit scales only when they
     are not held: ``scales_held``), each master (with a streamed parameter's stored values
-    when its master is a remainder), and each gradient kept in the swap space."""
+    when its master is a remainder), and, with ``kept_grads``, each gradient kept in the swap
+    space, but those of the slots in ``grads_held`` (in memory)."""
     reads: list[Region] = []
     for seg in piece.segments:
         slot = seg.slot
@@ -138,7 +148,7 @@ def slice_reads(
             reads.append(_region(slot.master_key, seg))
         if slot.streamed and slot.remainder:  # the parameter's half of the master
             reads.append(_region(slot.param_key, seg))
-        if slot.keeps_grad:
+        if kept_grads and slot.keeps_grad and slot.index not in grads_held:
             reads.append(_region(slot.grad_key, seg))
     return tuple(reads)
 
@@ -296,7 +306,10 @@ def _target(
 ) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
-    if slot.keeps_grad:  # read with the slice, edited in place as clipping edits a gradient
+    held = plan.held.get(slot.index)
+    if held is not None:  # a streamed gradient still in memory: a step in backward
+        grad = _shaped(slot, local_tensor(held).reshape(-1)[seg.start : seg.stop])
+    elif slot.keeps_grad:  # read with the slice, edited in place as clipping edits a gradient
         grad = _shaped(slot, tensors[_region(slot.grad_key, seg)])
         apply_grad_edits(grad, plan.grad_edits.get(slot.index, ()))
     else:

@@ -12,6 +12,12 @@ step should use. So each speculative step keeps what it used:
   unscaling kernel and edits through ``.data`` change the bytes without moving it;
 - the hyper-parameters of the param groups it stepped with.
 
+A streamed parameter's gradient (``offload_parameters``) leaves memory once its slices stepped:
+``param.grad`` holds its :class:`~tierswap.optim.stream.OffloadedGradient` stand-in, on which
+clipping and unscaling only record factors. Its stamp is that stand-in: the step holds when
+``param.grad`` is still it (no later backward pass replaced it) and every factor recorded
+since is exactly 1 (clipping that did not clip), which changes no byte either.
+
 The store keeps the pre-step state (a savepoint, :meth:`tierswap.SwapStore.savepoint`), and the
 slice wrote the pre-step value of each parameter the store keeps (``persists_param``) beside
 it, so a slice found wrong returns to its pre-step state and steps again with what ``step()``
@@ -50,13 +56,23 @@ class Stamp:
     stop: int
     dtype: torch.dtype
     digest: int
+    #: A streamed gradient's stand-in (``param.grad`` once its bytes left memory), else None.
+    stand_in: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def of(cls, slot: int, grad: torch.Tensor, start: int, stop: int) -> Stamp:
         return cls(slot, start, stop, grad.dtype, _digest(grad, start, stop))
 
-    def holds(self, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` (the parameter's gradient now) still has this segment's bytes."""
+    @classmethod
+    def kept(cls, slot: int, stand_in: Any, grad: torch.Tensor, start: int, stop: int) -> Stamp:
+        """The stamp of a streamed gradient ``grad``, whose ``param.grad`` is ``stand_in``."""
+        return cls(slot, start, stop, grad.dtype, 0, stand_in)
+
+    def holds(self, grad: torch.Tensor | None, edits: Sequence[Any] = ()) -> bool:
+        """Whether ``grad`` (the parameter's gradient now, with the ``edits`` recorded for
+        a streamed one) still has this segment's bytes."""
+        if self.stand_in is not None:
+            return grad is self.stand_in and all(_neutral(edit) for edit in edits)
         if grad is None or grad.dtype != self.dtype:
             return False
         return _digest(grad, self.start, self.stop) == self.digest
@@ -66,6 +82,14 @@ def _digest(grad: torch.Tensor, start: int, stop: int) -> int:
     segment = local_tensor(grad).reshape(-1)[start:stop]
     data = segment.detach().to("cpu").contiguous().view(torch.uint8)
     return int(xxhash.xxh3_128_intdigest(data.numpy().data))
+
+
+def _neutral(edit: Any) -> bool:
+    """Whether a recorded edit of a kept gradient changes none of its bytes: a factor of
+    exactly 1 (a clamp may change them)."""
+    if isinstance(edit, torch.Tensor):
+        return edit.numel() == 1 and bool(edit.detach().to("cpu", torch.float64).item() == 1.0)
+    return isinstance(edit, int | float) and edit == 1.0
 
 
 def same_groups(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> list[bool]:
@@ -117,10 +141,13 @@ class Speculation:
         slices: Sequence[Slice],
         grads: dict[int, torch.Tensor | None],
         groups_same: list[bool],
+        edits: dict[int, list[Any]] | None = None,
     ) -> set[int]:
         """The speculative slices whose step differs from the one ``step()`` would take:
-        a gradient changed, appeared or went (``grads``: each slot's gradient now), or the
-        param group's hyper-parameters changed (``groups_same``)."""
+        a gradient changed, appeared or went (``grads``: each slot's gradient now; ``edits``:
+        those recorded for the streamed ones), or the param group's hyper-parameters changed
+        (``groups_same``)."""
+        edits = edits or {}
         wrong: set[int] = set()
         for index, stamps in self.stamps.items():
             piece = slices[index]
@@ -131,7 +158,10 @@ class Speculation:
             if (
                 stamped != now
                 or not all(groups_same[seg.slot.group] for seg in piece.segments)
-                or not all(stamp.holds(grads.get(stamp.slot)) for stamp in stamps)
+                or not all(
+                    stamp.holds(grads.get(stamp.slot), edits.get(stamp.slot, ()))
+                    for stamp in stamps
+                )
             ):
                 wrong.add(index)
         return wrong

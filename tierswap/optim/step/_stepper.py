@@ -11,6 +11,8 @@ on ``overlap``:
   state, redoes them and steps the rest, and returns with every parameter updated
   (:meth:`Stepper.step_checked`). Where it cannot speculate (the first step, resident slices,
   speculation paused, 8-bit state, a scratch store) the hooks start reads, as with ``None``.
+  With streamed parameters the hook steps the slices itself, with the gradients in memory,
+  while the next slices' state is read ahead.
 - ``"forward"``: the same speculation in backward, but ``step()`` hands the redoing and the
   rest to the worker and returns; they step, in forward order, while the next forward runs,
   each module waiting for its own parameters.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Container
 from typing import Any, cast
 
 import torch
@@ -47,6 +50,9 @@ from tierswap.optim.step._speculation import Speculation, Stamp, same_groups
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper", "reduced_after_backward"]
+
+#: Slices whose state is read ahead in backward when streamed parameters step there.
+READ_AHEAD_SLICES = 2
 
 
 def reduced_after_backward(slots: list[Slot]) -> bool:
@@ -92,16 +98,20 @@ class Stepper:
         self._queued: set[int] = set()  # slices handed to the worker in backward
         self._read_ahead = False  # overlap="forward": this backward started the step's reads
         #: The speculative slices and the schedule's record. Speculation needs a store
-        #: that keeps versions (durable), state a slice owns whole (not 8-bit scales),
-        #: gradients final in backward (not DDP's, averaged when backward ends), and
-        #: parameters of the model's own (streamed ones are read in backward: not yet).
+        #: that keeps versions (durable), state a slice owns whole (not 8-bit scales), and
+        #: gradients final in backward (not DDP's, averaged when backward ends).
         self.speculation = Speculation(
             self._speculative
             and config.durable
             and config.state_precision != "8bit"
-            and not config.offload_parameters
             and not reduced_after_backward(parts.layout.slots)
         )
+        #: Streamed parameters (``offload_parameters``): speculative slices step in the
+        #: gradient hook, on the thread backward runs on, which also streams the parameters
+        #: through the pipeline (one thread uses it at a time), with each gradient from
+        #: memory (:attr:`_held`), while the reads of the next slices' state run ahead.
+        self._inline = config.offload_parameters
+        self._held: dict[int, torch.Tensor] = {}  # streamed gradients kept for their slices
         #: Backward passes per step (learnt when speculating).
         self._passes = config.accumulation_steps
         self._blocked = False  # a forward ran after speculation began: none this step
@@ -152,7 +162,8 @@ class Stepper:
         grads = {s.index: s.param.grad for s in layout.slots}
         groups = [frozen_group(group) for group in self.parts.groups]
         now = [hyper_parameters(g) for g in groups]
-        wrong = spec.wrong(layout.slices, grads, same_groups(spec.groups or now, now))
+        same = same_groups(spec.groups or now, now)
+        wrong = spec.wrong(layout.slices, grads, same, state.grad_edits)
         kept = set(spec.stamps) - wrong
         redo = [layout.slices[index] for index in sorted(wrong)]
         pieces = [
@@ -219,6 +230,8 @@ class Stepper:
         plan.write_params = due
         plan.groups = groups
         plan.grads = {index: grads[index] for index in live}
+        plan.held = {}  # what is left reads the kept gradients, edited as recorded by now
+        plan.grad_edits = {i: tuple(e) for i, e in state.grad_edits.items()}
         for piece in redo:
             for slot in piece.slots:
                 plan.small_after.pop(slot.index, None)
@@ -228,7 +241,9 @@ class Stepper:
         """Return ``pieces`` to their pre-step state: the store's regions to the savepoint,
         each parameter they stepped to its pre-step value."""
         names = self.parts.state.names
-        self.parts.backend.roll_back(r for piece in pieces for r in slice_reads(piece, names))
+        # not the kept gradients: written since the savepoint, the redone step reads them
+        regions = (r for piece in pieces for r in slice_reads(piece, names, kept_grads=False))
+        self.parts.backend.roll_back(regions)
         restore_params(self.parts, [seg for piece in pieces for seg in piece.segments])
 
     def end_speculation(self) -> None:
@@ -292,6 +307,7 @@ class Stepper:
             state.stepped.clear()
             self._queued.clear()
             self._final.clear()
+            self._held.clear()
 
     def _before_forward(self, module: torch.nn.Module) -> None:
         """``module`` is about to run forward: if speculative slices changed one of its
@@ -316,6 +332,7 @@ class Stepper:
         self._grad_counts.clear()
         self._final.clear()
         self._queued.clear()
+        self._held.clear()
         self._blocked = False
         self._read_ahead = False
         self.parts.state.stepped.clear()
@@ -346,8 +363,9 @@ class Stepper:
             commit(self.parts)
 
     # -- gradient hooks -------------------------------------------------------------------
-    def grad_final(self, param: torch.Tensor) -> None:
-        """``param``'s gradient is final (its post-accumulate-grad hook).
+    def grad_final(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """``param``'s gradient is final (its post-accumulate-grad hook); ``grad``: a
+        streamed parameter's, which left ``param.grad`` for the swap space.
 
         Starts the reads of its slices (as far as the budget allows), or, with
         ``overlap="backward"``, hands the worker each of its slices whose parameters' gradients
@@ -360,7 +378,7 @@ class Stepper:
             return
         overlap = self.parts.config.overlap
         if self._speculative:
-            self._grad_speculative(layout, slot.index)
+            self._grad_speculative(layout, slot.index, grad)
             return
         if overlap != "backward":
             self._prefetch(layout.slices_of[slot.index])
@@ -381,9 +399,10 @@ class Stepper:
             self._read_ahead = True
             self._prefetch(layout.slices[::-1])
 
-    def _grad_speculative(self, layout: Layout, index: int) -> None:
-        """Speculation: hand the worker the slices this gradient makes ready, when this
-        step speculates and this is the step's last backward pass; else read ahead."""
+    def _grad_speculative(self, layout: Layout, index: int, grad: torch.Tensor | None) -> None:
+        """Speculation: hand the worker the slices this gradient makes ready (streamed
+        parameters: step them here, ``grad`` in memory), when this step speculates and this
+        is the step's last backward pass; else read ahead."""
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
         spec = self.speculation
         if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
@@ -396,10 +415,40 @@ class Stepper:
         ready = [
             p for p in layout.slices_of[index] if self._ready_in_backward(p) and self._speculable(p)
         ]
+        if grad is not None and any(map(self._speculable, layout.slices_of[index])):
+            self._held[index] = grad
         if ready:
             self._queued.update(piece.index for piece in ready)
             self._spec_params.update(id(seg.slot.param) for p in ready for seg in p.segments)
-            self.deferred.queue(lambda: self._speculate(ready))
+            if not self._inline:
+                self.deferred.queue(lambda: self._speculate(ready))
+                return
+            self._speculate(ready)
+            self._let_go_held(layout, ready)
+        if self._inline:
+            self._read_ahead_backward(layout)
+
+    def _let_go_held(self, layout: Layout, stepped: list[Slice]) -> None:
+        """Drop the gradients in memory of the slots whose slices have all stepped."""
+        for index in {seg.slot.index for piece in stepped for seg in piece.segments}:
+            if index in self._held and all(
+                p.index in self._queued for p in layout.slices_of[index]
+            ):
+                del self._held[index]
+
+    def _read_ahead_backward(self, layout: Layout) -> None:
+        """Streamed parameters, speculating: start reading the state of the slices that
+        step next in backward (layout order reversed, those not stepped yet), as far as the
+        host budget allows; their gradients will be in memory."""
+        upcoming = [
+            p
+            for p in reversed(layout.slices)
+            if p.index not in self._queued and self._speculable(p)
+        ][:READ_AHEAD_SLICES]
+        if upcoming:
+            self.parts.backend.pipeline.prefetch(
+                [self._job(p, held={seg.slot.index for seg in p.segments}) for p in upcoming]
+            )
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -422,6 +471,7 @@ class Stepper:
                 state.plan = self._new_plan()
                 state.plan.write_params = False  # the pre-step copies are written instead
             plan = state.plan
+            plan.held = self._held
             plan.live |= {
                 seg.slot.index
                 for p in ready
@@ -443,7 +493,8 @@ class Stepper:
         """Start writing the pre-step value of each live parameter of ``pieces`` that the
         store keeps (:attr:`~tierswap.optim.plan.Slot.persists_param`: no master, or a
         remainder) under its :attr:`~tierswap.optim.plan.Slot.param_key`, straight from the
-        parameter's memory: what a rollback restores it from. Each slice's work waits for its
+        parameter's memory: what a rollback restores it from (a streamed one's stored values
+        are in the store's savepoint already). Each slice's work waits for its
         own before it changes the parameter (:meth:`work`); by then it is mostly done."""
         writes = {}
         for piece in pieces:
@@ -452,7 +503,7 @@ class Stepper:
                     seg.start : seg.stop
                 ].detach()
                 for seg in piece.segments
-                if seg.slot.index in plan.live and seg.slot.persists_param
+                if seg.slot.index in plan.live and seg.slot.persists_param and not seg.slot.streamed
             }
             if regions:
                 writes[piece.index] = self.parts.backend.put_regions_async(regions)
@@ -493,7 +544,8 @@ class Stepper:
             scales = self._scales_job()
             if scales is not None:
                 pipeline.hold(scales)  # read once; each slice's work views it
-            jobs = [self._job(piece) for piece in pieces]  # with the names the scales hold
+            # with the names the scales hold, without the gradients in memory
+            jobs = [self._job(piece, held=plan.held) for piece in pieces]
             pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors))
         except BaseException:
             self.parts.state.failed = True  # some slices may have stepped: close() must not commit
@@ -520,10 +572,10 @@ class Stepper:
             chunk_bytes=self.layout.chunk_bytes,
         )  # fmt: skip
 
-    def _job(self, piece: Slice) -> Job:
+    def _job(self, piece: Slice, held: Container[int] = ()) -> Job:
         return slice_job(
             piece, self.parts.state.names, self.layout.placement, scratch=self._scratch_on_cpu,
-            scales_held=self.layout.held_scales > 0,
+            scales_held=self.layout.held_scales > 0, grads_held=held,
         )  # fmt: skip
 
     @staticmethod
@@ -531,9 +583,14 @@ class Stepper:
         """What a speculative step of ``piece`` reads of each live gradient."""
         stamps = []
         for seg in piece.segments:
-            grad = seg.slot.param.grad
-            if seg.slot.index in plan.live and grad is not None:
-                stamps.append(Stamp.of(seg.slot.index, grad, seg.start, seg.stop))
+            index, grad = seg.slot.index, seg.slot.param.grad
+            if index not in plan.live or grad is None:
+                continue
+            held = plan.held.get(index)
+            if held is not None:  # streamed: param.grad is its stand-in
+                stamps.append(Stamp.kept(index, grad, held, seg.start, seg.stop))
+            else:
+                stamps.append(Stamp.of(index, grad, seg.start, seg.stop))
         return stamps
 
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:

@@ -22,7 +22,9 @@ or written behind to the store from pooled host buffers within the host budget),
 noted, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in, on which torch's
 clipping works (it asks the norms and records the factor), and a ``GradScaler``'s unscale (it
 asks whether each is finite and records its factor); the step reads the gradient with the
-slice's state and applies the factors. Backward passes that accumulate add to the
+slice's state and applies the factors. A slice that steps in backward (``overlap="auto"``)
+takes the gradient from memory instead (:meth:`ParameterStream.grad_final` returns it), and
+``step()`` checks that no factor changed it. Backward passes that accumulate add to the
 kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` holds the parameters in use and keeps others between uses: when some are
@@ -237,23 +239,27 @@ class ParameterStream:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
             self._take_back_gradients()
+            # slices may step in backward: their masters hold the values edited since (before
+            # a speculative step sets the store's savepoint, which a rollback returns to)
+            self._keep_edits(list(self._live))
         if position in self._seen_in_backward:
             return
         self._seen_in_backward.add(position)
         self._fetch(self._modules[position][1])
         self._used(position)
 
-    def grad_final(self, param: torch.Tensor) -> None:
+    def grad_final(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s gradient is final in this backward pass (the optimizer's gradient hook,
         before the step hears of it): keep it in the swap space, added to the one kept since
         the last ``zero_grad()`` (accumulation, as torch adds into ``param.grad``), leave
         :class:`OffloadedGradient` in ``param.grad``, and free the parameter, which backward
-        needs no more."""
+        needs no more. Returns the gradient kept (a slice may step with it now), if any."""
         slot = self.parts.layout.slot_of.get(id(param))
         if slot is None or not slot.streamed:
-            return
+            return None
         grad = param.grad
         if grad is not None and not isinstance(grad, OffloadedGradient):
+            self._keep_edits([slot.index])  # its step may read the master now
             with torch.no_grad():
                 if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
                     grad = self._kept_grad(slot.index).add_(grad)
@@ -267,8 +273,11 @@ class ParameterStream:
                 else:
                     self.finite.pop(slot.index, None)
             param.grad = OffloadedGradient(param, self, slot.index)
+        else:
+            grad = None
         if self._users[slot.index] <= 0:
             self._let_go([slot.index])
+        return grad
 
     def use(self, index: int, *, saved: bool) -> bool:
         """An operation is about to read the parameter of slot ``index`` (its

@@ -80,7 +80,7 @@ def _keep(
         if kept is not None:
             kept[region].copy_(flat[seg.start : seg.stop])
         else:  # a segment at a time: the room the layout keeps for one slice in flight
-            pipeline.release([piece])  # a read of the slice started ahead is stale now
+            # (a read of it started ahead is stale now: the pipeline drops it)
             pipeline.write_behind({region: flat[seg.start : seg.stop]})
 
 
