@@ -159,7 +159,7 @@ def _calls_of_a_step(swap_dir: Path, job: str, **kwargs: object) -> int:
     return counting.calls[job]
 
 
-@pytest.mark.parametrize("overlap", [None, "auto"])
+@pytest.mark.parametrize("overlap", [pytest.param(None, marks=pytest.mark.slow), "auto"])
 @pytest.mark.parametrize("job", ["write_file", pytest.param("read_file", marks=pytest.mark.slow)])
 def test_each_call_of_a_step_failing_in_turn_keeps_the_resume_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str, overlap: str | None

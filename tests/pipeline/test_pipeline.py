@@ -201,6 +201,27 @@ def test_a_write_drops_the_reads_started_ahead_that_it_overlaps(store, how: str)
     assert store.stats()["reads"] == 2 + 2 + 2 + 2 + (how == "job")
 
 
+def test_an_unread_region_gets_a_buffer_that_the_work_fills(store) -> None:
+    """``Job.unread``: a buffer like a read's, counted in the budget, not read from the
+    store; the work fills it, and what it returns for it is written."""
+    pipeline = Pipeline(store, budget=2 * 2 * CHUNK)
+    filled = Region("big", 2048, 4096)
+    job = Job("fill", (Region("big", 0, 2048),), 2 * 2 * CHUNK, unread=(filled,))
+    assert job.buffers == (Region("big", 0, 2048), filled)
+
+    def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
+        assert set(tensors) == set(job.buffers)
+        assert pipeline.held == 2 * 2 * CHUNK
+        tensors[filled].fill_(9.0)
+        return {filled: tensors[filled]}
+
+    pipeline.run([job], work)
+    pipeline.drain()
+    assert store.stats()["reads"] == 2  # the read region's two chunks alone
+    assert torch.equal(store.get("big")[2048:4096], torch.full((2048,), 9.0))
+    assert pipeline.held == 0
+
+
 def test_a_direct_write_orders_later_reads_and_reports_its_failure_to_its_caller(store) -> None:
     pipeline = Pipeline(store, budget=2 * CHUNK)
     values = torch.full((2048,), 3.0)

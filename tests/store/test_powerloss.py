@@ -43,12 +43,12 @@ def _all_recover(rec: Recording, report: Report, name: str) -> None:
 @pytest.mark.parametrize(
     ("scenario", "commits", "model"),
     [
-        ("store", 3, "ext4"),
-        ("store", 3, "reorder"),
-        ("buffered", 3, "ext4"),
+        pytest.param("store", 3, "ext4", marks=pytest.mark.slow),
+        ("store", 3, "reorder"),  # the harsher model: writes reordered within barriers
+        pytest.param("buffered", 3, "ext4", marks=pytest.mark.slow),
         ("folders", 3, "ext4"),
     ],
-)
+)  # make test keeps the store and the folders once each; the slow suite runs every pairing
 def test_every_crash_state_recovers(
     recorded: Callable[[str, int], Recording], scenario: str, commits: int, model: str
 ) -> None:

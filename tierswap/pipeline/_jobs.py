@@ -29,6 +29,8 @@ class Job:
     runs (not part of ``nbytes``): the work runs one job at a time, so the pipeline keeps one
     work buffer for all jobs (:meth:`Pipeline.scratch`), as large as the largest request,
     counted in its budget and reused from one job to the next without page faults.
+    ``unread`` names regions that get buffers as reads do (counted in ``nbytes`` too) but are
+    not read: the work fills them (values it has in memory) before it uses them.
     """
 
     name: Hashable
@@ -37,6 +39,12 @@ class Job:
     resident: bool = False
     tier: TierName | None = None
     scratch: int = 0
+    unread: tuple[Region, ...] = ()
+
+    @property
+    def buffers(self) -> tuple[Region, ...]:
+        """The regions that get buffers: those read, then those the work fills."""
+        return self.reads + self.unread
 
     def __post_init__(self) -> None:
         if self.tier not in (None, DEVICE, HOST):
@@ -47,6 +55,6 @@ class Job:
             object.__setattr__(self, "tier", HOST)
 
 
-#: ``work(job, tensors) -> writes``: ``tensors`` maps each of ``job.reads`` to a 1-D CPU tensor;
+#: ``work(job, tensors) -> writes``: ``tensors`` maps each of ``job.buffers`` to a 1-D CPU tensor;
 #: the returned mapping names the regions to write back and their new contents.
 Work = Callable[[Job, dict[Region, torch.Tensor]], dict[Region, torch.Tensor]]

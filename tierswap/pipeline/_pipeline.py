@@ -391,7 +391,7 @@ class Pipeline:
 
     def _buffer_sizes(self, job: Job) -> list[int]:
         """Bytes of the buffers ``job`` takes from the pool: one per read."""
-        return [region.numel * self._dtype(region.key).itemsize for region in job.reads]
+        return [region.numel * self._dtype(region.key).itemsize for region in job.buffers]
 
     def _start_reads(self, job: Job, *, wait: bool) -> bool:
         """Reserve ``job``'s bytes and start its reads into idle pooled buffers (or new ones);
@@ -406,9 +406,10 @@ class Pipeline:
         tensors: dict[Region, torch.Tensor] = {}
         try:
             buffers = self._buffers.take_all(claimed, sizes)
-            for region, buf, nbytes in zip(job.reads, buffers, sizes, strict=True):
+            for region, buf, nbytes in zip(job.buffers, buffers, sizes, strict=True):
                 tensors[region] = buf[:nbytes].view(self._dtype(region.key))
-            done = self._disk.read_all(tensors)  # after the writes it overlaps reach the store
+            reads = {region: tensors[region] for region in job.reads}
+            done = self._disk.read_all(reads)  # after the writes it overlaps reach the store
         except BaseException:
             self._give_back(job, tensors)
             raise
@@ -417,7 +418,7 @@ class Pipeline:
 
     def _give_back(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
         """Return a finished (or failed) job's bytes to the budget and its buffers to the pool."""
-        held = (tensors[region] for region in job.reads if region in tensors)
+        held = (tensors[region] for region in job.buffers if region in tensors)
         self._buffers.give_back(held, job.nbytes)
 
     def _dtype(self, key: str) -> torch.dtype:

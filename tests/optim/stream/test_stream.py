@@ -661,6 +661,32 @@ def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_bud
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("clip", [1000.0, 0.05], ids=["clip-never", "clip-always"])
+def test_kept_parameters_are_the_masters_their_steps_start_from(
+    tmp_path: Path, clip: float
+) -> None:
+    """A parameter kept between uses holds its fp32 master's values: its slices' steps take
+    the master from it instead of reading it. A step then reads the moments (and, where
+    clipping makes it redo the slices or step after backward, the kept gradients), bitwise
+    as in memory."""
+    ref, model, plain, opt = _streaming(tmp_path, device_budget=1 << 20)
+    numel = sum(p.numel() for p in model.parameters())
+    read, fetched = [], []
+    for step in range(5):
+        norm = _train(ref, plain, step, clip)
+        assert torch.equal(_train(model, opt, step, clip), norm)
+        read.append(opt.tier_stats()["nvme"]["bytes_read"])
+        fetched.append(opt.tier_stats()["parameters"]["fetched_bytes"])
+    assert fetched == [4 * numel] * 5  # each read once, by its first use
+    moments, grads = 2 * 4 * numel, 4 * numel
+    needed = moments + (grads if clip < 1.0 else 0)
+    # (small tensors are read in whole pages); reading the masters would add 4 * numel
+    assert needed <= read[-1] - read[-2] < needed + 4 * numel
+    _same_state_dicts(ref, model)
+    opt.close()
+    assert_same_params(ref, model)
+
+
 def test_model_load_state_dict_writes_the_loaded_values_to_the_swap_space(
     tmp_path: Path,
 ) -> None:

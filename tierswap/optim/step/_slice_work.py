@@ -44,6 +44,7 @@ from tierswap.optim.plan import (
     array_chunk_bytes,
     flat,
     local_tensor,
+    master_dtype,
 )
 from tierswap.pipeline import Job, Region
 from tierswap.tiers import HOST, TierName
@@ -117,12 +118,35 @@ def slice_job(
     )
     shared = scratch and not fresh  # else its work tensors are its own
     held = sum(seg.scales_bytes for seg in piece.segments if state_names.get(seg.slot.index))
+    tier = None if fresh else placement.get(piece.index)
+    reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=grads_held)
+    # a master the parameter holds is filled from it, not read (not a resident slice's: it
+    # holds the master between steps)
+    unread = () if tier is not None else valued_masters(piece)
     return Job(
         piece.index,
-        slice_reads(piece, state_names, scales_held=scales_held, grads_held=grads_held),
+        tuple(region for region in reads if region not in unread),
         piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0),
-        tier=None if fresh else placement.get(piece.index),
+        tier=tier,
         scratch=piece.scratch_bytes if shared else 0,
+        unread=unread,
+    )
+
+
+def valued_masters(piece: Slice) -> tuple[Region, ...]:
+    """The master regions of ``piece`` whose values a streamed parameter holds now, exactly:
+    an fp32 parameter kept in memory between uses (``device_budget``) or in use, whose
+    master it was read from, with the edits since written to it (before any step reads it)
+    and the step's updates made to it too. The step fills the master from it instead of
+    reading it (:func:`step_slice`'s ``unread``)."""
+    return tuple(
+        _region(seg.slot.master_key, seg)
+        for seg in piece.segments
+        if seg.slot.streamed
+        and seg.slot.has_master
+        and not seg.slot.remainder
+        and master_dtype(seg.slot.param) == seg.slot.param.dtype
+        and seg.slot.param.untyped_storage().nbytes() > 0
     )
 
 
@@ -212,14 +236,17 @@ def step_slice(
     piece: Slice,
     tensors: dict[Region, torch.Tensor],
     scratch_buffer: torch.Tensor | None = None,
+    unread: Container[Region] = (),
 ) -> dict[Region, torch.Tensor]:
     """Step the live segments of ``piece``; return the regions to write back.
-    ``scratch_buffer`` (``piece.scratch_bytes`` or more) holds the step's work buffers."""
+    ``scratch_buffer`` (``piece.scratch_bytes`` or more) holds the step's work buffers. The
+    master regions in ``unread`` were not read: they are filled from their parameters
+    (:func:`valued_masters`)."""
     segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
     if not segments:
         return {}
     scratch = Scratch(scratch_buffer)
-    targets = [_target(plan, seg, tensors, scratch) for seg in segments]
+    targets = [_target(plan, seg, tensors, scratch, unread) for seg in segments]
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for seg, target in zip(segments, targets, strict=True):
         state[target] = _state_of(plan, seg, tensors, scratch)
@@ -302,7 +329,11 @@ def _shaped(slot: Slot, tensor: torch.Tensor, name: str | None = None) -> torch.
 
 
 def _target(
-    plan: StepPlan, seg: Segment, tensors: dict[Region, torch.Tensor], scratch: Scratch
+    plan: StepPlan,
+    seg: Segment,
+    tensors: dict[Region, torch.Tensor],
+    scratch: Scratch,
+    unread: Container[Region] = (),
 ) -> torch.Tensor:
     """The tensor the inner optimizer steps for ``seg``, with its gradient attached."""
     slot = seg.slot
@@ -318,6 +349,8 @@ def _target(
         grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
         stored = tensors[_region(slot.master_key, seg)]
+        if _region(slot.master_key, seg) in unread:  # the parameter holds it (not an edit)
+            stored.copy_(flat(slot.param.data)[seg.start : seg.stop])
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
             param = _param_values(slot, seg, tensors).to(stored.device)
             stored = join(param, stored, scratch.take(seg.numel, stored.device))

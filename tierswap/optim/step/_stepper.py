@@ -51,9 +51,6 @@ from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper", "reduced_after_backward"]
 
-#: Slices whose state is read ahead in backward when streamed parameters step there.
-READ_AHEAD_SLICES = 2
-
 
 def reduced_after_backward(slots: list[Slot]) -> bool:
     """Whether the gradients are averaged across ranks only when backward ends: plain tensors
@@ -112,6 +109,7 @@ class Stepper:
         #: memory (:attr:`_held`), while the reads of the next slices' state run ahead.
         self._inline = config.offload_parameters
         self._held: dict[int, torch.Tensor] = {}  # streamed gradients kept for their slices
+        self._ahead_from = 1 << 62  # slices below this index may be read ahead in backward
         #: Backward passes per step (learnt when speculating).
         self._passes = config.accumulation_steps
         self._blocked = False  # a forward ran after speculation began: none this step
@@ -333,6 +331,7 @@ class Stepper:
         self._final.clear()
         self._queued.clear()
         self._held.clear()
+        self._ahead_from = 1 << 62
         self._blocked = False
         self._read_ahead = False
         self.parts.state.stepped.clear()
@@ -439,16 +438,22 @@ class Stepper:
     def _read_ahead_backward(self, layout: Layout) -> None:
         """Streamed parameters, speculating: start reading the state of the slices that
         step next in backward (layout order reversed, those not stepped yet), as far as the
-        host budget allows; their gradients will be in memory."""
-        upcoming = [
-            p
-            for p in reversed(layout.slices)
-            if p.index not in self._queued and self._speculable(p)
-        ][:READ_AHEAD_SLICES]
-        if upcoming:
-            self.parts.backend.pipeline.prefetch(
-                [self._job(p, held={seg.slot.index for seg in p.segments}) for p in upcoming]
-            )
+        host budget has room now (their gradients will be in memory). It goes on from where
+        the last call stopped: each slice is handed over once a backward pass (a read
+        dropped for room is started again when its slice steps)."""
+        pipeline = self.parts.backend.pipeline
+        room = pipeline.budget - pipeline.held
+        jobs: list[Job] = []
+        index = min(self._ahead_from, len(layout.slices)) - 1
+        while index >= 0 and room > 0:
+            piece = layout.slices[index]
+            if piece.index not in self._queued and self._speculable(piece):
+                jobs.append(self._job(piece, held={seg.slot.index for seg in piece.segments}))
+                room -= jobs[-1].nbytes
+            index -= 1
+        if jobs:
+            self._ahead_from = index + 1
+            pipeline.prefetch(jobs)
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -606,7 +611,7 @@ class Stepper:
             if undo is not None:
                 undo.result()  # the pre-step parameters are on disk before they change
             self.speculation.record(piece.index, self._stamps(plan, piece))  # can roll back
-        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job))
+        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job), job.unread)
         writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:
