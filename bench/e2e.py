@@ -123,6 +123,14 @@ MODES: dict[str, dict[str, Any]] = {
     # offload_param keeps them in RAM up to its max_in_cpu: only the step's state moves
     "stream-ram": {"offload_parameters": True, "device_budget": "8GiB"},
     "stream-ram-fused": {"offload_parameters": True, "device_budget": "8GiB", "fused": True},
+    # ... stepping in backward unchecked (overlap="backward": no clipping, no GradScaler), so
+    # the gradients never go to the swap folder, as DeepSpeed runs here (without clipping)
+    "stream-ram-fused-backward": {
+        "offload_parameters": True,
+        "device_budget": "8GiB",
+        "fused": True,
+        "overlap": "backward",
+    },
     # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
     "striped": {},
     "fused-striped": {"fused": True},

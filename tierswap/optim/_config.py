@@ -108,10 +108,11 @@ class SwapConfig:
                     "parameters stream: it needs offload_parameters=True"
                 )
             return
-        if self.overlap not in ("auto", None):
+        if self.overlap not in ("auto", "backward", None):
             raise ConfigError(
-                f"offload_parameters=True steps after backward: overlap={self.overlap!r} is not "
-                "supported with it; use overlap='auto' (the default) or None"
+                f"overlap={self.overlap!r} is not supported with offload_parameters=True (its "
+                "step would run beside the next forward's reads); use overlap='auto' (the "
+                "default), 'backward' or None"
             )
 
     @classmethod

@@ -145,7 +145,9 @@ class SwapOptimizer(Assembly):
         equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
         bytes an element. A param group added later streams too. With ``overlap="auto"``
         the slices step in backward, in the gradient hooks, with the gradients still in
-        memory, and :meth:`step` checks them as above.
+        memory, and :meth:`step` checks them as above; with ``"backward"`` unchecked, and the
+        gradients never go to the swap space (clipping them after backward raises).
+        ``"forward"`` is refused.
         ``docs/optimizer.md``, "Streaming parameters".
     param_init_fn:
         With ``offload_parameters``, for a model built on the meta device (too large to build
@@ -289,7 +291,9 @@ class SwapOptimizer(Assembly):
         (:meth:`~tierswap.optim.step.Stepper.grad_final`). With ``offload_parameters`` the
         gradient first goes to the swap space (:meth:`~tierswap.optim.stream.ParameterStream.
         grad_final`)."""
-        grad = self._stream.grad_final(param) if self._stream is not None else None
+        grad = None
+        if self._stream is not None:
+            grad = self._stream.grad_final(param, keep=self._stepper.keeps_grad(param))
         self._stepper.grad_final(param, grad)
 
     @torch.no_grad()

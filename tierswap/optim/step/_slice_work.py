@@ -119,7 +119,9 @@ def slice_job(
     shared = scratch and not fresh  # else its work tensors are its own
     held = sum(seg.scales_bytes for seg in piece.segments if state_names.get(seg.slot.index))
     tier = None if fresh else placement.get(piece.index)
-    reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=grads_held)
+    # a resident slice keeps the regions of its gradients, into which they are kept
+    in_memory = () if tier is not None else grads_held
+    reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=in_memory)
     # a master the parameter holds is filled from it, not read (not a resident slice's: it
     # holds the master between steps)
     unread = () if tier is not None else valued_masters(piece)

@@ -145,6 +145,8 @@ class Stepper:
             self.parts.state.stepped.clear()
             self._final.clear()
             self._queued.clear()
+            self._held.clear()
+            self._ahead_from = 1 << 62
         self.parts.state.steps += 1
         self._end_step(plan, due)
 
@@ -263,6 +265,7 @@ class Stepper:
         ``GradScaler`` skipped it): roll back what was speculated for it, and count backward
         passes anew."""
         if not self._speculative:
+            self._held.clear()  # ("backward": the streamed gradients of slices not stepped)
             return
         if self._queued or self.speculation.pending:
             self.end_speculation()
@@ -386,10 +389,29 @@ class Stepper:
         if count % self.parts.config.accumulation_steps:
             return
         self._final.add(slot.index)
+        if grad is not None:
+            self._held[slot.index] = grad
         ready = [p for p in layout.slices_of[slot.index] if self._ready_in_backward(p)]
         if ready:
             self._queued.update(piece.index for piece in ready)
-            self.deferred.queue(lambda: self._step_in_backward(layout, ready))
+            if not self._inline:
+                self.deferred.queue(lambda: self._step_in_backward(layout, ready))
+                return
+            self._step_in_backward(layout, ready)
+            self._let_go_held(layout, ready)
+        if self._inline:
+            self._read_ahead_backward(layout)
+
+    def keeps_grad(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s streamed gradient, final in this backward pass, must be kept
+        in the swap space: not with ``overlap="backward"`` on a step's last pass (its slices
+        step with it from memory, and nothing checks or redoes them)."""
+        slot = self.layout.slot_of.get(id(param))
+        if self.parts.config.overlap != "backward" or slot is None:
+            return True
+        return (
+            self._grad_counts.get(slot.index, 0) + 1
+        ) % self.parts.config.accumulation_steps != 0
 
     def _read_ahead_forward(self, layout: Layout) -> None:
         """Once per backward: start the reads of the next step's first slices, in forward
@@ -436,20 +458,25 @@ class Stepper:
                 del self._held[index]
 
     def _read_ahead_backward(self, layout: Layout) -> None:
-        """Streamed parameters, speculating: start reading the state of the slices that
-        step next in backward (layout order reversed, those not stepped yet), as far as the
-        host budget has room now (their gradients will be in memory). It goes on from where
-        the last call stopped: each slice is handed over once a backward pass (a read
-        dropped for room is started again when its slice steps)."""
+        """Streamed parameters stepping in backward: start reading the state of the slices
+        that step next (layout order reversed, those not stepped yet), within half
+        the room the host budget has now: the other half is left to the parameters' reads
+        and the gradients' writes, which would else drop reads started ahead to make room
+        and read them again. It goes on from where the last call stopped: each slice is
+        handed over once a backward pass (a read dropped for room is started again when its
+        slice steps)."""
         pipeline = self.parts.backend.pipeline
-        room = pipeline.budget - pipeline.held
+        room = (pipeline.budget - pipeline.held) // 2
         jobs: list[Job] = []
         index = min(self._ahead_from, len(layout.slices)) - 1
-        while index >= 0 and room > 0:
+        while index >= 0:
             piece = layout.slices[index]
             if piece.index not in self._queued and self._speculable(piece):
-                jobs.append(self._job(piece, held={seg.slot.index for seg in piece.segments}))
-                room -= jobs[-1].nbytes
+                job = self._job(piece, held={seg.slot.index for seg in piece.segments})
+                if job.nbytes > room:
+                    break
+                jobs.append(job)
+                room -= job.nbytes
             index -= 1
         if jobs:
             self._ahead_from = index + 1
@@ -515,13 +542,18 @@ class Stepper:
         return writes
 
     def _step_in_backward(self, layout: Layout, ready: list[Slice]) -> None:
-        """On the worker, during backward: step ``ready``, then free the gradients of the
-        parameters whose slices have all stepped."""
+        """On the worker (streamed parameters: in the hook), during backward: step
+        ``ready``, then free the gradients of the parameters whose slices have all stepped
+        (a streamed one's stand-in stays until ``step()``: clipping it raises, rather than
+        finding no gradient and doing nothing)."""
         with torch.no_grad(), step_allocations():
             self._step_slices(ready)
         for index in {seg.slot.index for piece in ready for seg in piece.segments}:
-            if all(p.index in self.parts.state.stepped for p in layout.slices_of[index]):
-                layout.slots[index].param.grad = None
+            slot = layout.slots[index]
+            if not slot.streamed and all(
+                p.index in self.parts.state.stepped for p in layout.slices_of[index]
+            ):
+                slot.param.grad = None
 
     def _ready_in_backward(self, piece: Slice) -> bool:
         """Not yet handed to the worker, and every parameter that will get a gradient has its
@@ -538,6 +570,7 @@ class Stepper:
         if plan is None:
             plan = self.parts.state.plan = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
+        plan.held = self._held  # streamed gradients not kept in the swap space (overlap="backward")
         self._run_slices(plan, pieces)
         self.parts.state.stepped.update(piece.index for piece in pieces)
 

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from tierswap.errors import GradientOffloadedError
 from tierswap.optim.persist import OptimizerParts, write_master
 from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
@@ -248,12 +249,14 @@ class ParameterStream:
         self._fetch(self._modules[position][1])
         self._used(position)
 
-    def grad_final(self, param: torch.Tensor) -> torch.Tensor | None:
+    def grad_final(self, param: torch.Tensor, *, keep: bool = True) -> torch.Tensor | None:
         """``param``'s gradient is final in this backward pass (the optimizer's gradient hook,
         before the step hears of it): keep it in the swap space, added to the one kept since
         the last ``zero_grad()`` (accumulation, as torch adds into ``param.grad``), leave
         :class:`OffloadedGradient` in ``param.grad``, and free the parameter, which backward
-        needs no more. Returns the gradient kept (a slice may step with it now), if any."""
+        needs no more. Returns the gradient (a slice may step with it now), if any. Without
+        ``keep`` (``overlap="backward"``, the step's last pass: its slices step with it from
+        memory and nothing reads it again) it is not written to the swap space."""
         slot = self.parts.layout.slot_of.get(id(param))
         if slot is None or not slot.streamed:
             return None
@@ -264,9 +267,10 @@ class ParameterStream:
                 if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
                     grad = self._kept_grad(slot.index).add_(grad)
                 self.parts.state.grad_edits.pop(slot.index, None)
-                keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
-                self.kept_grad_bytes += grad.numel() * grad.element_size()
-                self.norms[slot.index] = norm_as_torch(grad, 2.0)
+                if keep:
+                    keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
+                    self.kept_grad_bytes += grad.numel() * grad.element_size()
+                    self.norms[slot.index] = norm_as_torch(grad, 2.0)
                 if self._note_finite:
                     low, high = grad.aminmax()  # both finite: no inf, no NaN (they propagate)
                     self.finite[slot.index] = bool(torch.isfinite(low) & torch.isfinite(high))
@@ -346,6 +350,7 @@ class ParameterStream:
         """The ``ord``-norm of slot ``index``'s kept gradient, as torch would compute it on the
         gradient in memory (:func:`norm_as_torch`): the 2-norm noted as backward finalized it,
         or, after a recorded edit or for another norm, computed on the gradient read back."""
+        self._check_not_stepped()
         edits = self.parts.state.grad_edits.get(index)
         if ord == 2.0 and not edits and index in self.norms:
             return self.norms[index].clone()
@@ -355,6 +360,7 @@ class ParameterStream:
         """Whether slot ``index``'s kept gradient, edited as recorded, has no inf or NaN (what
         a ``GradScaler``'s unscale checks): noted in backward, or read back (and from then on
         noted in every backward)."""
+        self._check_not_stepped()
         if not self.parts.state.grad_edits.get(index) and index in self.finite:
             return self.finite[index]
         self._note_finite = True
@@ -363,13 +369,26 @@ class ParameterStream:
     def scale_grad(self, index: int, factor: Any) -> None:
         """Record that slot ``index``'s kept gradient is multiplied by ``factor`` in place (the
         step, or a later accumulation, applies it)."""
+        self._check_not_stepped()
         self.parts.state.grad_edits.setdefault(index, []).append(_kept(factor))
 
     def clamp_grad(self, index: int, low: Any, high: Any) -> None:
         """Record that slot ``index``'s kept gradient is clamped into ``[low, high]`` in place
         (``torch.nn.utils.clip_grad_value_``; a bound may be ``None``)."""
+        self._check_not_stepped()
         edit = GradClamp(_kept(low), _kept(high))
         self.parts.state.grad_edits.setdefault(index, []).append(edit)
+
+    def _check_not_stepped(self) -> None:
+        """Raise ``GradientOffloadedError`` under ``overlap="backward"``: the slices stepped
+        with each gradient in backward, so clipping or unscaling it now would change
+        nothing, silently."""
+        if self.parts.config.overlap == "backward":
+            raise GradientOffloadedError(
+                "with overlap='backward' each gradient stepped in backward, before clipping "
+                "or a GradScaler could change it; use overlap='auto' (the default: steps in "
+                "backward too, checked by step(), redone where clipping changed them)"
+            )
 
     def _kept_grad(self, index: int) -> torch.Tensor:
         """Slot ``index``'s kept gradient, read back, with the edits recorded for it applied
