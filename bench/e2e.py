@@ -131,6 +131,20 @@ MODES: dict[str, dict[str, Any]] = {
         "fused": True,
         "overlap": "backward",
     },
+    # ... with bf16 moments (opt-in: changes results): half the moments' bytes
+    "stream-ram-bf16-fused": {
+        "offload_parameters": True,
+        "device_budget": "8GiB",
+        "fused": True,
+        "state_precision": "bf16",
+    },
+    "stream-ram-bf16-fused-backward": {
+        "offload_parameters": True,
+        "device_budget": "8GiB",
+        "fused": True,
+        "state_precision": "bf16",
+        "overlap": "backward",
+    },
     # the state striped over several drives: swap_dir=[--dir, *--also-dir] (STRIPED)
     "striped": {},
     "fused-striped": {"fused": True},

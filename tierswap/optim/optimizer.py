@@ -112,8 +112,9 @@ class SwapOptimizer(Assembly):
         (redoing included) runs while the next forward does, each module waiting only for its
         own parameters (read parameters otherwise after :meth:`synchronize`).
         ``None``: no overlap: the slices' reads start in backward, :meth:`step` steps them all.
-        ``"backward"``: each slice steps on the hooks' worker and nothing checks it: no
-        global clipping, no ``GradScaler``. ``docs/optimizer.md`` says what each costs.
+        ``"backward"``: each slice steps on the hooks' worker (streamed parameters: in the
+        hook) and nothing checks it: no global clipping, no ``GradScaler``.
+        ``docs/optimizer.md`` says what each costs.
     accumulation_steps:
         Backward passes per optimizer step (gradient accumulation), for ``overlap="backward"``:
         a parameter's gradient is final at every ``accumulation_steps``-th backward pass.
