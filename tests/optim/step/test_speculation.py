@@ -12,7 +12,7 @@ import torch
 from tests.optim.models import assert_same_params, assert_same_state
 from tierswap.errors import FailedStepError
 from tierswap.optim import SwapOptimizer
-from tierswap.optim.step import _stepper
+from tierswap.optim.step import _speculation
 from tierswap.optim.step._speculation import FIRST_PAUSE, Stamp, same_groups
 
 LAYERS = 6
@@ -375,7 +375,7 @@ def test_ddp_gradients_are_not_speculated_on(tmp_path, monkeypatch) -> None:
     """Under a process group of several ranks, plain-tensor gradients (DDP's) are averaged
     only when backward ends: the hooks see each rank's local one, so nothing is speculated
     (every slice would be redone); the steps run after backward, bitwise as before."""
-    monkeypatch.setattr(_stepper, "world", lambda: (0, 2))
+    monkeypatch.setattr(_speculation, "world", lambda: (0, 2))
     ref_model, ref, model, opt = _pair(tmp_path)
     batches = _batches(4)
     with opt:

@@ -11,7 +11,9 @@ allocator's settings while a step runs.
 - ``_deferred``: the worker of ``overlap="forward"``, ``"auto"`` and ``"backward"``
   (:class:`DeferredSteps`);
 - ``_speculation``: what ``overlap="auto"`` checks of the slices it stepped in backward
-  (:class:`~tierswap.optim.step._speculation.Speculation`);
+  (:class:`~tierswap.optim.step._speculation.Speculation`), and where it cannot speculate;
+- ``_held``: the gradients that streamed parameters' slices step with in backward, and the
+  reads of the next slices' state started ahead;
 - ``_hooks``: the post-accumulate-grad hooks;
 - ``_memory``: the allocator around a step (:func:`step_allocations`).
 """

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import xxhash
 
+from tierswap.optim.distributed import world
 from tierswap.optim.persist import same_values
-from tierswap.optim.plan import Slice, local_tensor
+from tierswap.optim.plan import Slice, Slot, StepPlan, local_tensor
 
-__all__ = ["Speculation", "Stamp", "same_groups"]
+__all__ = ["Speculation", "Stamp", "reduced_after_backward", "same_groups", "stamps_of"]
 
 #: Steps without speculation after slices were redone in two steps running, at first.
 FIRST_PAUSE = 8
@@ -90,6 +91,30 @@ def _neutral(edit: Any) -> bool:
     if isinstance(edit, torch.Tensor):
         return edit.numel() == 1 and bool(edit.detach().to("cpu", torch.float64).item() == 1.0)
     return isinstance(edit, int | float) and edit == 1.0
+
+
+def stamps_of(plan: StepPlan, piece: Slice) -> list[Stamp]:
+    """What a speculative step of ``piece`` with ``plan`` reads of each live gradient (a
+    streamed one held in memory: its stand-in in ``param.grad``)."""
+    found = []
+    for seg in piece.segments:
+        index, grad = seg.slot.index, seg.slot.param.grad
+        if index not in plan.live or grad is None:
+            continue
+        held = plan.held.get(index)
+        if held is not None:
+            found.append(Stamp.kept(index, grad, held, seg.start, seg.stop))
+        else:
+            found.append(Stamp.of(index, grad, seg.start, seg.stop))
+    return found
+
+
+def reduced_after_backward(slots: list[Slot]) -> bool:
+    """Whether the gradients are averaged across ranks only when backward ends: plain tensors
+    under a process group of several ranks (DDP, alone or under ZeRO). Their hooks fire on each
+    rank's local gradient, so a slice stepped in backward would always be redone. FSDP2's
+    sharded parameters (DTensors) get their hooks after the reduce-scatter: final."""
+    return world()[1] > 1 and not any(local_tensor(s.param) is not s.param for s in slots)
 
 
 def same_groups(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> list[bool]:

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any, cast
 
 import torch
 
-from tierswap.optim.distributed import world
 from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
-from tierswap.optim.plan import Layout, Slice, Slot, StepPlan, flat, interleave, local_tensor
+from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
+from tierswap.optim.step._held import HeldGradients
 from tierswap.optim.step._memory import step_allocations, trim_heap
 from tierswap.optim.step._slice_work import (
     SCALES_JOB,
@@ -46,18 +46,15 @@ from tierswap.optim.step._slice_work import (
     slice_reads,
     step_slice,
 )
-from tierswap.optim.step._speculation import Speculation, Stamp, same_groups
+from tierswap.optim.step._speculation import (
+    Speculation,
+    reduced_after_backward,
+    same_groups,
+    stamps_of,
+)
 from tierswap.pipeline import Job, Region
 
-__all__ = ["Stepper", "reduced_after_backward"]
-
-
-def reduced_after_backward(slots: list[Slot]) -> bool:
-    """Whether the gradients are averaged across ranks only when backward ends: plain tensors
-    under a process group of several ranks (DDP, alone or under ZeRO). Their hooks fire on each
-    rank's local gradient, so a slice stepped in backward would always be redone. FSDP2's
-    sharded parameters (DTensors) get their hooks after the reduce-scatter: final."""
-    return world()[1] > 1 and not any(local_tensor(s.param) is not s.param for s in slots)
+__all__ = ["Stepper"]
 
 
 def _grads_kept(piece: Slice) -> bool:
@@ -108,8 +105,7 @@ class Stepper:
         #: through the pipeline (one thread uses it at a time), with each gradient from
         #: memory (:attr:`_held`), while the reads of the next slices' state run ahead.
         self._inline = config.offload_parameters
-        self._held: dict[int, torch.Tensor] = {}  # streamed gradients kept for their slices
-        self._ahead_from = 1 << 62  # slices below this index may be read ahead in backward
+        self._held = HeldGradients()
         #: Backward passes per step (learnt when speculating).
         self._passes = config.accumulation_steps
         self._blocked = False  # a forward ran after speculation began: none this step
@@ -146,7 +142,6 @@ class Stepper:
             self._final.clear()
             self._queued.clear()
             self._held.clear()
-            self._ahead_from = 1 << 62
         self.parts.state.steps += 1
         self._end_step(plan, due)
 
@@ -334,7 +329,6 @@ class Stepper:
         self._final.clear()
         self._queued.clear()
         self._held.clear()
-        self._ahead_from = 1 << 62
         self._blocked = False
         self._read_ahead = False
         self.parts.state.stepped.clear()
@@ -390,17 +384,9 @@ class Stepper:
             return
         self._final.add(slot.index)
         if grad is not None:
-            self._held[slot.index] = grad
+            self._held.grads[slot.index] = grad
         ready = [p for p in layout.slices_of[slot.index] if self._ready_in_backward(p)]
-        if ready:
-            self._queued.update(piece.index for piece in ready)
-            if not self._inline:
-                self.deferred.queue(lambda: self._step_in_backward(layout, ready))
-                return
-            self._step_in_backward(layout, ready)
-            self._let_go_held(layout, ready)
-        if self._inline:
-            self._read_ahead_backward(layout)
+        self._step_ready(layout, ready, lambda pieces: self._step_in_backward(layout, pieces))
 
     def keeps_grad(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s streamed gradient, final in this backward pass, must be kept
@@ -437,50 +423,32 @@ class Stepper:
             p for p in layout.slices_of[index] if self._ready_in_backward(p) and self._speculable(p)
         ]
         if grad is not None and any(map(self._speculable, layout.slices_of[index])):
-            self._held[index] = grad
+            self._held.grads[index] = grad
+        self._spec_params.update(id(seg.slot.param) for p in ready for seg in p.segments)
+        self._step_ready(layout, ready, self._speculate)
+
+    def _step_ready(
+        self, layout: Layout, ready: list[Slice], step: Callable[[list[Slice]], None]
+    ) -> None:
+        """Backward made ``ready`` ready: hand them to the worker to ``step``, or, with
+        streamed parameters, step them here, let their gradients go, and read the next
+        slices' state ahead."""
         if ready:
             self._queued.update(piece.index for piece in ready)
-            self._spec_params.update(id(seg.slot.param) for p in ready for seg in p.segments)
             if not self._inline:
-                self.deferred.queue(lambda: self._speculate(ready))
+                self.deferred.queue(lambda: step(ready))
                 return
-            self._speculate(ready)
-            self._let_go_held(layout, ready)
+            step(ready)
+            self._held.let_go(layout, ready, self._queued)
         if self._inline:
-            self._read_ahead_backward(layout)
+            self._held.read_ahead(layout, self.parts.backend.pipeline, self._job_ahead)
 
-    def _let_go_held(self, layout: Layout, stepped: list[Slice]) -> None:
-        """Drop the gradients in memory of the slots whose slices have all stepped."""
-        for index in {seg.slot.index for piece in stepped for seg in piece.segments}:
-            if index in self._held and all(
-                p.index in self._queued for p in layout.slices_of[index]
-            ):
-                del self._held[index]
-
-    def _read_ahead_backward(self, layout: Layout) -> None:
-        """Streamed parameters stepping in backward: start reading the state of the slices
-        that step next (layout order reversed, those not stepped yet), within half
-        the room the host budget has now: the other half is left to the parameters' reads
-        and the gradients' writes, which would else drop reads started ahead to make room
-        and read them again. It goes on from where the last call stopped: each slice is
-        handed over once a backward pass (a read dropped for room is started again when its
-        slice steps)."""
-        pipeline = self.parts.backend.pipeline
-        room = (pipeline.budget - pipeline.held) // 2
-        jobs: list[Job] = []
-        index = min(self._ahead_from, len(layout.slices)) - 1
-        while index >= 0:
-            piece = layout.slices[index]
-            if piece.index not in self._queued and self._speculable(piece):
-                job = self._job(piece, held={seg.slot.index for seg in piece.segments})
-                if job.nbytes > room:
-                    break
-                jobs.append(job)
-                room -= job.nbytes
-            index -= 1
-        if jobs:
-            self._ahead_from = index + 1
-            pipeline.prefetch(jobs)
+    def _job_ahead(self, piece: Slice) -> Job | None:
+        """The job of ``piece`` to read ahead in backward (its gradients will be in
+        memory), unless it was handed over or does not step there."""
+        if piece.index in self._queued or not self._speculable(piece):
+            return None
+        return self._job(piece, held={seg.slot.index for seg in piece.segments})
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -503,7 +471,7 @@ class Stepper:
                 state.plan = self._new_plan()
                 state.plan.write_params = False  # the pre-step copies are written instead
             plan = state.plan
-            plan.held = self._held
+            plan.held = self._held.grads
             plan.live |= {
                 seg.slot.index
                 for p in ready
@@ -570,7 +538,7 @@ class Stepper:
         if plan is None:
             plan = self.parts.state.plan = self._new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
-        plan.held = self._held  # streamed gradients not kept in the swap space (overlap="backward")
+        plan.held = self._held.grads  # streamed ones not kept in the swap space ("backward")
         self._run_slices(plan, pieces)
         self.parts.state.stepped.update(piece.index for piece in pieces)
 
@@ -616,21 +584,6 @@ class Stepper:
             scales_held=self.layout.held_scales > 0, grads_held=held,
         )  # fmt: skip
 
-    @staticmethod
-    def _stamps(plan: StepPlan, piece: Slice) -> list[Stamp]:
-        """What a speculative step of ``piece`` reads of each live gradient."""
-        stamps = []
-        for seg in piece.segments:
-            index, grad = seg.slot.index, seg.slot.param.grad
-            if index not in plan.live or grad is None:
-                continue
-            held = plan.held.get(index)
-            if held is not None:  # streamed: param.grad is its stand-in
-                stamps.append(Stamp.kept(index, grad, held, seg.start, seg.stop))
-            else:
-                stamps.append(Stamp.of(index, grad, seg.start, seg.stop))
-        return stamps
-
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
         """One slice's step, as the pipeline calls it: its regions to write back (not its
         scales when the pipeline holds them: updated in place there)."""
@@ -643,7 +596,7 @@ class Stepper:
             undo = self._undo.pop(piece.index, None)
             if undo is not None:
                 undo.result()  # the pre-step parameters are on disk before they change
-            self.speculation.record(piece.index, self._stamps(plan, piece))  # can roll back
+            self.speculation.record(piece.index, stamps_of(plan, piece))  # can roll back
         writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job), job.unread)
         writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
