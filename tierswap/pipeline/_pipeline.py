@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -280,8 +280,7 @@ class Pipeline:
         if job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes):
             return
         host_writes, landed = self._copy_out(tensors, staged, writes)
-        self._drop_stale(host_writes)
-        self._disk.write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
+        self._write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
         self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
 
     def _keep_on_device(
@@ -476,8 +475,7 @@ class Pipeline:
         must not change until the future completes); its failure is the future's alone (not
         raised by :meth:`run` or :meth:`drain`). Ordered as a write-behind: a later read of
         an overlapping region waits for it, and :meth:`drain` waits for it to end."""
-        self._drop_stale(writes)
-        return self._disk.write(writes, keep_errors=False)
+        return self._write(writes, keep_errors=False)
 
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write ``writes`` (on the host or the device) behind the caller, from copies (cast to
@@ -504,20 +502,27 @@ class Pipeline:
             self._buffers.give_back(buffers, nbytes)
             raise
         then = lambda _: self._buffers.give_back(buffers, nbytes)  # noqa: E731
-        self._drop_stale(writes)
-        self._disk.write(on_host, after=landed, then=then)
+        self._write(on_host, after=landed, then=then)
 
-    def _drop_stale(self, writes: Iterable[Region]) -> None:
-        """Drop the reads started ahead that overlap ``writes``: they may have read the bytes
-        the writes replace (a read started after a write waits for it)."""
-        regions = tuple(writes)
+    def _write(
+        self,
+        writes: dict[Region, torch.Tensor],
+        *,
+        after: Future[Any] | None = None,
+        then: Callable[[BaseException | None], None] | None = None,
+        keep_errors: bool = True,
+    ) -> Future[Any]:
+        """Start writing ``writes`` on the disk (:meth:`Disk.write`), which orders later reads
+        of their regions after them; first drop the reads started ahead that overlap them:
+        those may have read the bytes the writes replace."""
         stale = [
             name
             for name, reading in self._reading.items()
-            if any(overlap(a, b) for a in reading.job.reads for b in regions)
+            if any(overlap(a, b) for a in reading.job.reads for b in writes)
         ]
         for name in stale:
             self._drop_reading(name)
+        return self._disk.write(writes, after=after, then=then, keep_errors=keep_errors)
 
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
