@@ -375,15 +375,15 @@ class SwapOptimizer(Assembly):
         misses, bytes_in, bytes_out}, "nvme": {bytes_read, bytes_written, ...},
         "stall_seconds"}``. A hit is a slice stepped where it stayed resident (device or host
         tier), a miss a slice read from disk. ``"schedule"``: what the step's schedule did
-        (``overlap="auto"``: whether it speculates, and the slices stepped in backward, redone
-        and stepped after backward; :class:`~tierswap.optim.step.Speculation`).
+        (``overlap``, and with ``"auto"`` or ``"forward"`` whether it speculates, and the slices
+        stepped in backward, redone and stepped after backward;
+        :class:`~tierswap.optim.step.Speculation`).
         ``"parameters"``, with ``offload_parameters``: parameters streamed, bytes kept between
         uses, read and copied, gradient bytes kept, bytes holding values now and at most."""
         stats = self._backend.stats()
-        stats["schedule"] = {
-            "overlap": self._config.overlap,
-            **self._stepper.speculation.stats(self._state.steps),
-        }
+        stats["schedule"] = {"overlap": self._config.overlap}
+        if self._config.overlap in ("auto", "forward"):  # the others do not speculate
+            stats["schedule"].update(self._stepper.speculation.stats(self._state.steps))
         if self._stream is not None:
             stats["parameters"] = self._stream.stats()
         return stats
