@@ -731,6 +731,82 @@ def test_kept_parameters_are_the_masters_their_steps_start_from(
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("overlap", ["backward", None])
+@pytest.mark.parametrize("device_budget", [1 << 20, 17_000], ids=["all-kept", "some-kept"])
+def test_kept_masters_lag_until_a_commit_without_rollbacks(
+    tmp_path: Path, overlap: str | None, device_budget: int
+) -> None:
+    """Under a schedule that never rolls back (``overlap=None`` or ``"backward"``) a step does
+    not write the masters its kept parameters hold: a commit writes them, and so does a
+    parameter that lets its values go (a tight ``device_budget``). Between commits a step
+    writes the moments (and, under ``None``, the gradients) alone; the store keeps the last
+    commit, from which a resume starts; training stays bitwise torch's."""
+    settings = {"device_budget": device_budget, "overlap": overlap, "commit_every": 0}
+    ref, model, plain, opt = _streaming(tmp_path, host_budget=49152, **settings)
+    numel = sum(p.numel() for p in model.parameters())
+    written = []
+    for step in range(4):
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        _same_state_dicts(ref, model)  # a freed parameter's master was written when it left
+        opt._backend.pipeline.drain()  # the last writes of a step end during the next one
+        written.append(opt.tier_stats()["nvme"]["bytes_written"])
+    needed = 2 * 4 * numel + (4 * numel if overlap is None else 0)  # moments (+ gradients)
+    if device_budget == 1 << 20:  # every master lags: none is written
+        assert needed <= written[-1] - written[-2] < needed + 4 * numel
+    lagging = opt._parts.state.unwritten_masters
+    assert any(lagging.values())
+    opt.commit()
+    assert not any(lagging.values())
+    committed = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    for m, o in ((ref, plain), (model, opt)):  # a step after the commit, then a crash
+        m(batch_for_step(4)).square().mean().backward()
+        o.step()
+    opt._parts.state.failed = True  # as a crash: the step is not committed
+    with pytest.warns(RuntimeWarning, match="were not committed"):
+        opt.close()
+    _, fresh = _pair(seed=7)
+    again = SwapOptimizer(
+        fresh, torch.optim.AdamW, swap_dir=tmp_path, resume=True, offload_parameters=True,
+        **KWARGS,
+    )  # fmt: skip
+    resumed = fresh.state_dict()  # the values of the commit, not of the step after it
+    assert resumed.keys() == committed.keys()
+    for name, value in committed.items():
+        assert torch.equal(resumed[name], value), name
+    again.close()
+
+
+def test_a_commit_that_fails_leaves_the_masters_lagging_for_the_next(tmp_path: Path) -> None:
+    """A commit whose writes fail raises and keeps the masters it was writing marked as
+    lagging: the next commit writes them again, and a resume starts from its values."""
+    settings = {"device_budget": 1 << 20, "overlap": "backward", "commit_every": 0}
+    ref, model, plain, opt = _streaming(tmp_path, host_budget=49152, **settings)
+    for step in range(3):
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    opt._backend.pipeline.drain()
+    lagging = dict(opt._parts.state.unwritten_masters)
+    assert any(lagging.values())
+    inject(opt._backend.store, fail={"write_file": {1}})
+    with pytest.raises(OSError, match="Input/output error"):
+        opt.commit()
+    remove(opt._backend.store)
+    assert opt._parts.state.unwritten_masters == lagging
+    opt.close()  # commits
+    _, fresh = _pair(seed=7)
+    again = SwapOptimizer(
+        fresh, torch.optim.AdamW, swap_dir=tmp_path, resume=True, offload_parameters=True,
+        **KWARGS,
+    )  # fmt: skip
+    _same_state_dicts(ref, fresh)
+    again.close()
+
+
 def test_model_load_state_dict_writes_the_loaded_values_to_the_swap_space(
     tmp_path: Path,
 ) -> None:

@@ -26,6 +26,7 @@ from tierswap.optim.persist._arrays import (
     create_arrays,
     read_master,
     restore_params,
+    write_lagging_masters,
     write_master,
 )
 from tierswap.optim.persist._backend import StateBackend
@@ -77,5 +78,6 @@ __all__ = [
     "snapshot",
     "snapshot_source",
     "state_dict",
+    "write_lagging_masters",
     "write_master",
 ]

@@ -15,6 +15,7 @@ __all__ = [
     "create_arrays",
     "master_of",
     "read_master",
+    "write_lagging_masters",
     "write_master",
     "write_params",
 ]
@@ -71,6 +72,27 @@ def write_master(parts: OptimizerParts, slot: Slot) -> None:
     """Write the master of a streamed ``slot`` from its parameter's values (and the values
     themselves, beside a remainder), whole (:func:`write_params`)."""
     write_params(parts, [slot], masters=True)
+
+
+def write_lagging_masters(
+    parts: OptimizerParts, indices: Iterable[int] | None = None
+) -> dict[int, set[Region]]:
+    """Write the master regions whose stored values lag the values their streamed parameter
+    holds (:attr:`~tierswap.optim.persist.StepState.unwritten_masters`; of slots ``indices``,
+    or all), from the parameters, a region at a time behind the caller (the pipeline's
+    write-behind copies them first: the parameter may let its values go on return; a commit
+    waits for them). Only these parameters hold the newest values: none may let them go
+    before this. Returns the regions written, by slot."""
+    lagging = parts.state.unwritten_masters
+    chosen = list(lagging) if indices is None else [i for i in indices if i in lagging]
+    written = {index: lagging.pop(index) for index in chosen}
+    pipeline = parts.backend.pipeline
+    with torch.no_grad():
+        for index, regions in written.items():
+            values = flat(parts.layout.slots[index].param.detach())
+            for region in sorted(regions, key=lambda r: r.start):
+                pipeline.write_behind({region: values[region.start : region.stop]})
+    return written
 
 
 def read_master(parts: OptimizerParts, slot: Slot) -> torch.Tensor:

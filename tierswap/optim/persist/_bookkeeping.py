@@ -11,6 +11,7 @@ import torch
 
 from tierswap.optim._config import SwapConfig
 from tierswap.optim.plan import Slot, StepPlan
+from tierswap.pipeline import Region
 
 __all__ = ["StepState", "clone_state", "hyper_parameters", "same_values"]
 
@@ -40,6 +41,10 @@ class StepState:
     failed: bool = False
     #: Params without a master that the last step wrote to the store (with their slices).
     params_written: set[int] = dataclasses.field(default_factory=set)
+    #: Master regions (by slot) whose stored values lag the values their streamed parameter
+    #: holds: a schedule that never rolls back writes such a master only when a commit is
+    #: due or the parameter lets its values go (:attr:`StepPlan.unwritten`).
+    unwritten_masters: dict[int, set[Region]] = dataclasses.field(default_factory=dict)
     #: The state changed outside ``step()`` (a loaded state dict) since the last commit.
     changed: bool = False
     #: Factors each gradient kept in the swap space (by slot) is multiplied by before the
@@ -85,6 +90,7 @@ class StepState:
         self.names = defaultdict(list, names)
         self.steps = steps
         self.stepped.clear()
+        self.unwritten_masters.clear()  # the commit's masters replace the values held
         self.failed = False  # a whole state again
 
 

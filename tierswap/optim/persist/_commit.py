@@ -9,7 +9,7 @@ from typing import Any
 
 from tierswap.errors import FailedStepError, StoreClosedError
 from tierswap.optim.distributed import world_meta
-from tierswap.optim.persist._arrays import write_params
+from tierswap.optim.persist._arrays import write_lagging_masters, write_params
 from tierswap.optim.persist._bookkeeping import clone_state, hyper_parameters
 from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.optim.persist._swapped_state import adopt_direct_state
@@ -40,9 +40,9 @@ def commit(parts: OptimizerParts) -> int:
 
 
 def _write_commit(parts: OptimizerParts) -> int:
-    """Write params without a master (those the last step did not), scalars and
-    hyper-parameters of the param groups; flush the resident slices; commit."""
-    backend, layout, step_state, config = parts.backend, parts.layout, parts.state, parts.config
+    """Write params without a master (those the last step did not) and the masters that lag
+    their parameters' values, then commit (:func:`_commit_state`)."""
+    backend, step_state = parts.backend, parts.state
     drain_writes(parts)
     if step_state.failed:
         committed = steps_of(backend.committed_meta())
@@ -51,13 +51,26 @@ def _write_commit(parts: OptimizerParts) -> int:
             "two steps, so it is not committed; load a state (load_state_dict, load_snapshot) "
             f"or reopen with resume=True to continue from step {committed}"
         )
-    slots = layout.slots
-    unwritten = [  # a streamed parameter's stored values are current: every step writes them
+    unwritten = [  # a streamed parameter's stored values are current but for lagging masters
         s
-        for s in slots
+        for s in parts.layout.slots
         if s.persists_param and not s.streamed and s.index not in step_state.params_written
     ]
     write_params(parts, unwritten, masters=False)
+    lagged = write_lagging_masters(parts)
+    try:
+        return _commit_state(parts)
+    except BaseException:  # not known to have landed: the next commit writes them again
+        for index, regions in lagged.items():
+            step_state.unwritten_masters.setdefault(index, set()).update(regions)
+        raise
+
+
+def _commit_state(parts: OptimizerParts) -> int:
+    """Write the scalars and hyper-parameters of the param groups, flush the resident slices
+    and commit atomically."""
+    backend, layout, step_state, config = parts.backend, parts.layout, parts.state, parts.config
+    slots = layout.slots
     small = {  # keyed by each parameter's key prefix, so a resume can match by name
         "small": {s.prefix: clone_state(step_state.small[s.index]) for s in slots},
         "names": {s.prefix: list(step_state.names[s.index]) for s in slots},
@@ -105,8 +118,12 @@ def final_commit(parts: OptimizerParts) -> None:
     """At ``close()``: commit the steps (or loaded state) since the last commit, where a resume
     can use the commit; warn when there are such steps that cannot be committed."""
     backend, config, step_state = parts.backend, parts.config, parts.state
-    if backend.closed or not config.durable or config.swap_dir is None:
-        return  # closed already, a scratch store, or a temporary folder that close() removes
+    if backend.closed or config.swap_dir is None:
+        return  # closed already, or a temporary folder that close() removes
+    if not config.durable:  # a scratch store keeps the newest values, written in place
+        if not step_state.failed:
+            write_lagging_masters(parts)
+        return
     meta = backend.committed_meta()
     committed = steps_of(meta)
     if committed == step_state.steps and not step_state.changed:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tierswap.pipeline import Region
+
 __all__ = ["GradClamp", "StepPlan", "apply_grad_edits"]
 
 
@@ -46,6 +48,13 @@ class StepPlan:
     #: backward as its gradients become final: it steps with it instead of the one it keeps
     #: in the swap space, and reads only its state.
     held: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: Under a schedule that never rolls back (``overlap=None`` or ``"backward"``): the
+    #: master regions, by slot, whose parameter holds the values (the step filled them from
+    #: it, :func:`~tierswap.optim.step.valued_masters`) and that the step did not write, as no
+    #: commit is due (:attr:`~tierswap.optim.persist.StepState.unwritten_masters`, shared).
+    #: ``None``: every master is written with its slice (a speculative step's rollback
+    #: restores the parameters from the stored masters).
+    unwritten: dict[int, set[Region]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -270,7 +270,9 @@ def step_slice(
             state[targets[i]] = _joined(state[targets[i]], pieces[i], stepped)
     writes: dict[Region, torch.Tensor] = {}
     for seg, target in zip(segments, targets, strict=True):
-        writes.update(_collect(plan, seg, target, new_state=state[target], tensors=tensors))
+        writes.update(
+            _collect(plan, seg, target, new_state=state[target], tensors=tensors, unread=unread)
+        )
     return writes
 
 
@@ -475,9 +477,11 @@ def _collect(
     *,
     new_state: dict[str, Any],
     tensors: dict[Region, torch.Tensor],
+    unread: Container[Region] = (),
 ) -> dict[Region, torch.Tensor]:
     """Regions to write after ``seg`` stepped (where it stepped: the pipeline copies them back);
-    updates the parameter from its master."""
+    updates the parameter from its master. A master the parameter holds (in ``unread``) is
+    not written under :attr:`StepPlan.unwritten` unless a commit is due."""
     slot = seg.slot
     writes: dict[Region, torch.Tensor] = {}
     small: dict[str, Any] = {}
@@ -506,10 +510,26 @@ def _collect(
             flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         elif slot.param.untyped_storage().nbytes() > 0:  # not an edit: .data moves no version
             flat(slot.param.data)[seg.start : seg.stop].copy_(target.view(-1))
-        writes[_region(slot.master_key, seg)] = target.view(-1)
+        writes.update(_master_write(plan, seg, target, unread))
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)
     return writes
+
+
+def _master_write(
+    plan: StepPlan, seg: Segment, target: torch.Tensor, unread: Container[Region]
+) -> dict[Region, torch.Tensor]:
+    """The write of ``seg``'s stepped master, or none when the parameter holds its values (in
+    ``unread``), the plan lets masters lag (:attr:`StepPlan.unwritten`) and no commit is due:
+    then the region waits there until a commit or the parameter lets its values go."""
+    region = _region(seg.slot.master_key, seg)
+    if plan.unwritten is None:
+        return {region: target.view(-1)}
+    if region in unread and not plan.write_params:
+        plan.unwritten.setdefault(seg.slot.index, set()).add(region)
+        return {}
+    plan.unwritten.get(seg.slot.index, set()).discard(region)
+    return {region: target.view(-1)}
 
 
 def _create(

@@ -572,11 +572,14 @@ class Stepper:
         return scales_job(self.layout.slots, self.parts.state.names)
 
     def _new_plan(self) -> StepPlan:
-        return self.parts.state.new_plan(
+        plan = self.parts.state.new_plan(
             self.layout.slots, inners=self.parts.inners, groups=self.parts.groups,
             write_params=self.commit_due(), create=self.parts.backend.create,
             chunk_bytes=self.layout.chunk_bytes,
         )  # fmt: skip
+        if not self._speculative:  # no rollback reads the masters back: they may lag
+            plan.unwritten = self.parts.state.unwritten_masters
+        return plan
 
     def _job(self, piece: Slice, held: Container[int] = ()) -> Job:
         return slice_job(

@@ -68,7 +68,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from tierswap.errors import GradientOffloadedError
-from tierswap.optim.persist import OptimizerParts, write_master
+from tierswap.optim.persist import OptimizerParts, write_lagging_masters, write_master
 from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
@@ -528,11 +528,15 @@ class ParameterStream:
 
     def _free(self, indices: Iterable[int], *, keep_edits: bool = True) -> None:
         """Free the parameters of slots ``indices`` that hold values, first keeping those
-        written into since they were read (``keep_edits``: :meth:`_keep_edits`)."""
+        written into since they were read (``keep_edits``: :meth:`_keep_edits`) and the
+        masters steps left lagging their values (:func:`write_lagging_masters`); without
+        ``keep_edits`` (the masters were replaced) both are dropped."""
         live = [i for i in indices if i in self._live]
         if keep_edits:
             self._keep_edits(live)
+            write_lagging_masters(self.parts, live)
         for index in live:
+            self.parts.state.unwritten_masters.pop(index, None)
             free(self._slot(index).param)
             self._live.discard(index)
             self._versions.pop(index, None)
@@ -565,6 +569,7 @@ class ParameterStream:
                 slot = self._slot(index)
                 keep_values(pipeline, layout, slot, slot.param.detach())
                 self._versions[index] = slot.param._version
+                self.parts.state.unwritten_masters.pop(index, None)  # all of it written
         self._edited.difference_update(edited)
 
     # -- the order of uses -------------------------------------------------------------------
