@@ -131,6 +131,14 @@ MODES: dict[str, dict[str, Any]] = {
         "fused": True,
         "overlap": "backward",
     },
+    # ... committing every 10 steps (the masters the kept parameters hold wait for it)
+    "stream-ram-fused-backward-every10": {
+        "offload_parameters": True,
+        "device_budget": "8GiB",
+        "fused": True,
+        "overlap": "backward",
+        "commit_every": 10,
+    },
     # ... with bf16 moments (opt-in: changes results): half the moments' bytes
     "stream-ram-bf16-fused": {
         "offload_parameters": True,
