@@ -51,6 +51,25 @@ def test_uncommitted_versions_are_recycled_within_a_generation(store_path: Path)
         assert torch.equal(store.get("x"), value + 4)
 
 
+def test_versions_of_an_array_not_committed_yet_are_recycled(store_path: Path) -> None:
+    """An array created since the last commit (the state a first step creates, under
+    ``commit_every`` > 1) recycles its superseded staged versions too: the spares may hold as
+    many bytes as the current arrays, not only as the committed ones (none here)."""
+    value = torch.randn(4 * CHUNK // 4)
+    spare = store_path / ".tierswap" / "spare"
+    with ts.SwapStore(store_path, chunk_bytes=CHUNK) as store:
+        store.create("x", value.shape, value.dtype)  # nothing committed
+        for step in range(3):
+            store.put_region("x", 0, value + step)
+            # the version it superseded is kept for the next write (it took the one before)
+            assert len([p for p in spare.iterdir() if p.is_file()]) == 4
+        store.commit()
+        assert torch.equal(store.get("x"), value + 2)
+    with ts.SwapStore(store_path, mode="r") as store:
+        assert torch.equal(store.get("x"), value + 2)
+        assert store.verify() == []
+
+
 def test_a_file_a_snapshot_links_is_never_written_in_place(store_path: Path, tmp_path) -> None:
     value = torch.randn(4 * CHUNK // 4)
     with ts.SwapStore(store_path, chunk_bytes=CHUNK) as store:

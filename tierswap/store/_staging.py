@@ -97,18 +97,24 @@ class ChunkTargets:
                 folder, rel = split_qualified(qualified)
                 self._spares[folder].adopt([self._folder.roots[folder] / rel])
 
-    def fit_spares(self, committed: Mapping[str, ArrayMeta]) -> None:
-        """Each folder's spares may hold as many bytes as its committed chunks: disk use
-        stays within 2x in every folder."""
+    def fit_spares(self, *states: Mapping[str, ArrayMeta]) -> None:
+        """Each folder's spares may hold as many bytes as its chunks in the larger of
+        ``states`` (the committed arrays; with them the current ones, which hold arrays not
+        committed yet): disk use stays within 2x in every folder, and the staged versions
+        that newer ones supersede before any commit (arrays a first step creates, with
+        ``commit_every`` > 1) are recycled too, not deleted and allocated again."""
         if self._spares is None:
             return
         caps = [0] * len(self._spares)
-        for meta in committed.values():
-            if not meta.folders:
-                caps[0] += meta.nchunks * meta.chunk_bytes
-                continue
-            for folder in meta.folders:
-                caps[folder] += meta.chunk_bytes
+        for state in states:
+            sizes = [0] * len(self._spares)
+            for meta in state.values():
+                if not meta.folders:
+                    sizes[0] += meta.nchunks * meta.chunk_bytes
+                    continue
+                for folder in meta.folders:
+                    sizes[folder] += meta.chunk_bytes
+            caps = [max(a, b) for a, b in zip(caps, sizes, strict=True)]
         for pool, cap in zip(self._spares, caps, strict=True):
             pool.cap = cap
 

@@ -265,6 +265,8 @@ class SwapStore:
             )
         as_cpu_contiguous(torch.empty(0, dtype=dtype))  # raises for dtypes that cannot be stored
         self._start_put(key, dtype, shape, None, _chunk_override(chunk_bytes)).result()
+        # its chunks' superseded versions may be kept as spares before it is committed
+        self._targets.fit_spares(self._index.committed, self._index.current())
 
     def _start_put(
         self,
