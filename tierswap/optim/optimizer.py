@@ -382,7 +382,7 @@ class SwapOptimizer(Assembly):
         uses, read and copied, gradient bytes kept, bytes holding values now and at most."""
         stats = self._backend.stats()
         stats["schedule"] = {"overlap": self._config.overlap}
-        if self._config.overlap in ("auto", "forward"):  # the others do not speculate
+        if self._stepper.speculative:
             stats["schedule"].update(self._stepper.speculation.stats(self._state.steps))
         if self._stream is not None:
             stats["parameters"] = self._stream.stats()

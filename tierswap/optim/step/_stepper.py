@@ -114,6 +114,12 @@ class Stepper:
         self._undo: dict[int, Any] = {}  # slice -> the write of its pre-step params (worker)
 
     @property
+    def speculative(self) -> bool:
+        """Whether the schedule steps slices speculatively (``overlap="auto"`` or
+        ``"forward"``): what :attr:`speculation` records applies to it."""
+        return self._speculative
+
+    @property
     def layout(self) -> Layout:
         """The layout the steps run over (the parts', replaced when it changes)."""
         return self.parts.layout
