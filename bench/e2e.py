@@ -88,6 +88,14 @@ from tierswap.config import format_size, parse_size  # noqa: E402
 CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 
 #: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
+#: Every parameter kept in RAM between uses (8 GiB: up to 2B fp32), torch's fused AdamW: the
+#: base of the ``stream-ram-*`` modes below.
+STREAM_RAM_FUSED: dict[str, Any] = {
+    "offload_parameters": True,
+    "device_budget": "8GiB",
+    "fused": True,
+}
+
 MODES: dict[str, dict[str, Any]] = {
     # overlap="auto": speculation in backward, checked and finished by step()
     "default": {},
@@ -122,34 +130,20 @@ MODES: dict[str, dict[str, Any]] = {
     # ... with room for every parameter between uses (8 GiB: up to 2B fp32), as DeepSpeed's
     # offload_param keeps them in RAM up to its max_in_cpu: only the step's state moves
     "stream-ram": {"offload_parameters": True, "device_budget": "8GiB"},
-    "stream-ram-fused": {"offload_parameters": True, "device_budget": "8GiB", "fused": True},
+    "stream-ram-fused": STREAM_RAM_FUSED,
     # ... stepping in backward unchecked (overlap="backward": no clipping, no GradScaler), so
     # the gradients never go to the swap folder, as DeepSpeed runs here (without clipping)
-    "stream-ram-fused-backward": {
-        "offload_parameters": True,
-        "device_budget": "8GiB",
-        "fused": True,
-        "overlap": "backward",
-    },
+    "stream-ram-fused-backward": {**STREAM_RAM_FUSED, "overlap": "backward"},
     # ... committing every 10 steps (the masters the kept parameters hold wait for it)
     "stream-ram-fused-backward-every10": {
-        "offload_parameters": True,
-        "device_budget": "8GiB",
-        "fused": True,
+        **STREAM_RAM_FUSED,
         "overlap": "backward",
         "commit_every": 10,
     },
     # ... with bf16 moments (opt-in: changes results): half the moments' bytes
-    "stream-ram-bf16-fused": {
-        "offload_parameters": True,
-        "device_budget": "8GiB",
-        "fused": True,
-        "state_precision": "bf16",
-    },
+    "stream-ram-bf16-fused": {**STREAM_RAM_FUSED, "state_precision": "bf16"},
     "stream-ram-bf16-fused-backward": {
-        "offload_parameters": True,
-        "device_budget": "8GiB",
-        "fused": True,
+        **STREAM_RAM_FUSED,
         "state_precision": "bf16",
         "overlap": "backward",
     },
