@@ -87,7 +87,6 @@ from tierswap.config import format_size, parse_size  # noqa: E402
 
 CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 
-#: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
 #: Every parameter kept in RAM between uses (8 GiB: up to 2B fp32), torch's fused AdamW: the
 #: base of the ``stream-ram-*`` modes below.
 STREAM_RAM_FUSED: dict[str, Any] = {
@@ -96,6 +95,7 @@ STREAM_RAM_FUSED: dict[str, Any] = {
     "fused": True,
 }
 
+#: tierswap modes: name -> keyword arguments added to SwapOptimizer(...). Add a line per mode.
 MODES: dict[str, dict[str, Any]] = {
     # overlap="auto": speculation in backward, checked and finished by step()
     "default": {},
