@@ -144,6 +144,24 @@ def test_prefetch_starts_reads_without_blocking(store) -> None:
     assert pipeline.held == 0
 
 
+def test_reads_ahead_leave_the_write_room_free_and_are_never_dropped_for_a_write(store) -> None:
+    """With ``write_room`` set, reads started ahead stop short of it: a write-behind made
+    meanwhile finds its room free, so no read ahead is dropped and read twice (without it,
+    the write drops the latest one)."""
+    for room, reads_ahead, dropped in ((0, 2, 1), (CHUNK, 1, 0)):
+        before = store.stats()["reads"]
+        pipeline = Pipeline(store, budget=2 * 2 * CHUNK)
+        pipeline.write_room = room
+        jobs = _jobs()[1:]
+        pipeline.prefetch(jobs)
+        assert pipeline.held == reads_ahead * 2 * CHUNK
+        pipeline.write_behind({Region("a", 0, 100): torch.zeros(100)})  # one page
+        pipeline.run(jobs, _double)
+        pipeline.drain()
+        assert store.stats()["reads"] - before == 8 + 2 * dropped  # a dropped job's twice
+        assert pipeline.held == 0
+
+
 def test_release_drops_only_the_named_reads(store) -> None:
     pipeline = Pipeline(store, budget=3 * 2 * CHUNK)
     jobs = _jobs()

@@ -26,13 +26,15 @@ class JobBuffers:
         self._work: torch.Tensor | None = None
         self.work_bytes = 0  # reserved for the work buffer
 
-    def claim_and_reserve(self, nbytes: int, sizes: list[int]) -> list[torch.Tensor | None] | None:
+    def claim_and_reserve(
+        self, nbytes: int, sizes: list[int], *, keep_free: int = 0
+    ) -> list[torch.Tensor | None] | None:
         """Reserve ``nbytes`` at once and claim idle buffers for requests of ``sizes`` bytes
         (``None`` where none is idle); ``None`` (nothing claimed or reserved) when the ledger
-        has no room now. The claimed buffers leave the free list before the pool is trimmed
-        for the reservation: the job reuses them instead of faulting in new memory. The
-        caller holds the condition."""
-        if self._host.free < nbytes:  # no room even without idle buffers: trim nothing
+        has no room now, or would have less than ``keep_free`` bytes left after. The claimed
+        buffers leave the free list before the pool is trimmed for the reservation: the job
+        reuses them instead of faulting in new memory. The caller holds the condition."""
+        if self._host.free < nbytes + keep_free:  # no room even without idle buffers
             return None
         claimed = self._pool.claim(sizes)
         self.trim_for(nbytes)

@@ -127,6 +127,10 @@ class Pipeline:
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
         self._work_wanted = 0  # the work buffer's bytes that the jobs running now need
+        #: Host bytes that reads started ahead leave free for write-behinds the caller makes
+        #: meanwhile (a streamed parameter's gradients in backward): a write that found the
+        #: room taken would drop a read ahead, whose bytes would then be read twice.
+        self.write_room = 0
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
@@ -394,12 +398,17 @@ class Pipeline:
 
     def _start_reads(self, job: Job, *, wait: bool) -> bool:
         """Reserve ``job``'s bytes and start its reads into idle pooled buffers (or new ones);
-        ``wait`` for the room (:meth:`_make_room`), else take only room free now (whether the
-        reads started)."""
+        ``wait`` for the room (:meth:`_make_room`), else take only room free now beside
+        :attr:`write_room` (whether the reads started)."""
         sizes = self._buffer_sizes(job)  # outside the condition: it may ask the store
+        claimed: list[torch.Tensor | None] | None
         with self._cv:
-            room = self._make_room if wait else self._buffers.claim_and_reserve
-            claimed = room(job.nbytes, sizes)
+            if wait:
+                claimed = self._make_room(job.nbytes, sizes)
+            else:
+                claimed = self._buffers.claim_and_reserve(
+                    job.nbytes, sizes, keep_free=self.write_room
+                )
         if claimed is None:
             return False
         tensors: dict[Region, torch.Tensor] = {}

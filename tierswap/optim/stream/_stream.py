@@ -77,6 +77,7 @@ from tierswap.optim.stream._storage import free, nbytes, to_meta
 from tierswap.optim.stream._swap import (
     allocate_for_upload,
     empty_for_upload,
+    grad_room,
     keep_grad,
     keep_values,
     read_into,
@@ -184,8 +185,10 @@ class ParameterStream:
 
     def _hook(self) -> None:
         """Hook the model, each module that owns streamed parameters, and the model's state
-        dict."""
+        dict; leave room in the host budget for the gradients backward keeps."""
         self._handles = hook_modules(self, [module for module, _ in self._modules], self._model())
+        slots = [self._slot(index) for index in self._streamed()]
+        self.parts.backend.pipeline.write_room = grad_room(self.parts.layout, slots)
 
     def close(self) -> None:
         """Remove the hooks and read every parameter back into its memory (the model is whole

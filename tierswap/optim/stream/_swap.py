@@ -30,6 +30,7 @@ from tierswap.pipeline import Job, Pipeline, Region
 __all__ = [
     "allocate_for_upload",
     "empty_for_upload",
+    "grad_room",
     "keep_grad",
     "keep_values",
     "read_into",
@@ -61,6 +62,19 @@ def keep_grad(pipeline: Pipeline, layout: Layout, slot: Slot, grad: torch.Tensor
     """Put ``grad`` where the step reads it: into a resident slice's tensors, or behind the
     caller into the store (from pooled host buffers, within the host budget)."""
     _keep(pipeline, layout, slot, grad, grad=True)
+
+
+def grad_room(layout: Layout, slots: list[Slot]) -> int:
+    """Host bytes the largest write-behind of :func:`keep_grad` takes for ``slots``: one
+    segment's gradient, in a pooled buffer."""
+    return max(
+        (
+            footprint(seg.numel * slot.param.element_size())
+            for slot in slots
+            for _, seg in segments(layout, slot)
+        ),
+        default=0,
+    )
 
 
 def keep_values(pipeline: Pipeline, layout: Layout, slot: Slot, values: torch.Tensor) -> None:
