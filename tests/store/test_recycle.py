@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import tierswap as ts
@@ -51,16 +52,26 @@ def test_uncommitted_versions_are_recycled_within_a_generation(store_path: Path)
         assert torch.equal(store.get("x"), value + 4)
 
 
-def test_versions_of_an_array_not_committed_yet_are_recycled(store_path: Path) -> None:
-    """An array created since the last commit (the state a first step creates, under
-    ``commit_every`` > 1) recycles its superseded staged versions too: the spares may hold as
-    many bytes as the current arrays, not only as the committed ones (none here)."""
+@pytest.mark.parametrize("made_by", ["create", "put"])
+def test_versions_of_an_array_not_committed_yet_are_recycled(
+    store_path: Path, made_by: str
+) -> None:
+    """An array made since the last commit (the state a first step creates, under
+    ``commit_every`` > 1, or a key the swap API puts and puts again) recycles its superseded
+    staged versions too: the spares may hold as many bytes as the current arrays, not only as
+    the committed ones (none here)."""
     value = torch.randn(4 * CHUNK // 4)
     spare = store_path / ".tierswap" / "spare"
     with ts.SwapStore(store_path, chunk_bytes=CHUNK) as store:
-        store.create("x", value.shape, value.dtype)  # nothing committed
+        if made_by == "create":  # nothing committed
+            store.create("x", value.shape, value.dtype)
+        else:
+            store.put("x", value - 1)
         for step in range(3):
-            store.put_region("x", 0, value + step)
+            if made_by == "create":
+                store.put_region("x", 0, value + step)
+            else:
+                store.put("x", value + step)
             # the version it superseded is kept for the next write (it took the one before)
             assert len([p for p in spare.iterdir() if p.is_file()]) == 4
         store.commit()

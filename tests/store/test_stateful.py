@@ -90,6 +90,18 @@ class StoreMachine(RuleBasedStateMachine):
             assert got.shape == value.shape
             assert _bits(got) == _bits(value), key  # bitwise: random bytes include NaNs
 
+    @invariant()
+    def spare_room_counts_the_arrays(self) -> None:
+        """The spare pool's room, kept up to date key by key, is what a walk over the
+        current and committed arrays gives."""
+        index = self.store._index
+
+        def chunk_bytes(arrays) -> int:
+            return sum(meta.nchunks * meta.chunk_bytes for meta in arrays.values())
+
+        walked = max(chunk_bytes(index.current()), chunk_bytes(index.committed))
+        assert index.spare_room() == [walked]
+
     def teardown(self) -> None:
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -124,7 +124,7 @@ class Committer:
         self._apply(plan, documents)
         self._targets.adopt(spare for _final, spare in plan.recycle)
         index.mark_committed(current)
-        self._targets.fit_spares(current)
+        self._targets.fit_spares(index.spare_room())
 
     def _apply(self, plan: journal.CommitPlan, documents: list[tuple[str, bytes]]) -> None:
         root, roots = self._folder.root, self._folder.roots

@@ -86,6 +86,8 @@ class StoreIndex:
         self._region_writes: Counter[str] = Counter()  # region writes in flight per key
         self.saving = False  # a savepoint is set: region writes keep the versions they replace
         self._replaced: set[str] = set()  # keys put or deleted since the savepoint
+        self._bytes = [0] * len(self.roots)  # chunk bytes of the current entries per folder
+        self._committed_bytes = [0] * len(self.roots)  # ... and of the last commit's
 
     # ------------------------------------------------------------------ loading, queries
     def load(
@@ -95,6 +97,8 @@ class StoreIndex:
         for key, (meta, files) in arrays.items():
             self._entries[key] = Entry(meta, files)
             self._committed[key] = meta
+            _count(self._bytes, meta, 1)
+        self._committed_bytes = list(self._bytes)
         self._damaged = damaged
         for key in [*arrays, *damaged]:
             self._names.add(key)
@@ -195,6 +199,9 @@ class StoreIndex:
             self._replaced.add(meta.key)
         chunks = set(range(len(paths))) if staged else set()
         self._entries[meta.key] = Entry(meta, paths, staged=chunks, dirty=True)
+        _count(self._bytes, meta, 1)
+        if old is not None:
+            _count(self._bytes, old.meta, -1)
         if old is None and self._damaged.pop(meta.key, None) is None:
             self._names.add(meta.key)  # (a damaged key already counts as live)
         return old
@@ -265,6 +272,8 @@ class StoreIndex:
         entry = self._entries.pop(key, None)
         self._committed.pop(key, None)
         self._damaged[key] = f"{why}; put the key again or delete it"
+        if entry is not None:
+            _count(self._bytes, entry.meta, -1)
         return entry
 
     def delete(self, key: str) -> Entry | None:
@@ -275,6 +284,8 @@ class StoreIndex:
             self._replaced.add(key)
         if entry is None and damaged is None:
             raise KeyNotFoundError(f"key {key!r} is not in store {str(self.root)!r}")
+        if entry is not None:
+            _count(self._bytes, entry.meta, -1)
         self._names.remove(key)
         if damaged is not None:
             self._purged.add(key)
@@ -294,6 +305,13 @@ class StoreIndex:
 
     def current(self) -> dict[str, ArrayMeta]:
         return {key: entry.meta for key, entry in self._entries.items()}
+
+    def spare_room(self) -> list[int]:
+        """The bytes each folder's spare pool may hold: as many as its chunks, in the current
+        arrays or in the last commit's, whichever hold more (kept up to date as keys change,
+        without a walk over them). Disk use stays within 2x; the staged versions that newer
+        ones supersede before any commit (a new key rewritten) are recycled too."""
+        return [max(a, b) for a, b in zip(self._bytes, self._committed_bytes, strict=True)]
 
     def changed_files(self) -> dict[str, list[str | None]]:
         """Each key changed since the last commit -> the relpaths of its staged chunk files by
@@ -325,7 +343,19 @@ class StoreIndex:
                 ]
                 entry.staged, entry.dirty = set(), False
         self._committed = current
+        self._committed_bytes = [0] * len(self.roots)
+        for meta in current.values():
+            _count(self._committed_bytes, meta, 1)
         self._purged.clear()
+
+
+def _count(counts: list[int], meta: ArrayMeta, sign: int) -> None:
+    """Add (``sign`` 1) or remove (-1) the chunk bytes of ``meta`` in ``counts``, per folder
+    (whole chunks: the size a spare of them has)."""
+    if not meta.folders:
+        counts[0] += sign * meta.nchunks * meta.chunk_bytes
+    for folder in meta.folders:
+        counts[folder] += sign * meta.chunk_bytes
 
 
 class PutClaim:

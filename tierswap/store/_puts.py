@@ -145,6 +145,8 @@ class WholeWrites:
         with self._gate.locked():
             old = self._index.install(meta, paths, staged=self._durable)
             doomed = self._index.retire(old) if old is not None else []
+            room = self._index.spare_room()  # a new key's rewrites are recycled too
+        self._targets.fit_spares(room)
         self._targets.discard(doomed)
 
     def _replace_in_place(self, meta: ArrayMeta, paths: list[Path]) -> list[Path]:

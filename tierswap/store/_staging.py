@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tierswap.store._folder import StoreFolder
@@ -97,25 +97,12 @@ class ChunkTargets:
                 folder, rel = split_qualified(qualified)
                 self._spares[folder].adopt([self._folder.roots[folder] / rel])
 
-    def fit_spares(self, *states: Mapping[str, ArrayMeta]) -> None:
-        """Each folder's spares may hold as many bytes as its chunks in the larger of
-        ``states`` (the committed arrays; with them the current ones, which hold arrays not
-        committed yet): disk use stays within 2x in every folder, and the staged versions
-        that newer ones supersede before any commit (arrays a first step creates, with
-        ``commit_every`` > 1) are recycled too, not deleted and allocated again."""
+    def fit_spares(self, room: Sequence[int]) -> None:
+        """Let each folder's spare pool hold ``room[folder]`` bytes
+        (:meth:`~tierswap.store._index.StoreIndex.spare_room`)."""
         if self._spares is None:
             return
-        caps = [0] * len(self._spares)
-        for state in states:
-            sizes = [0] * len(self._spares)
-            for meta in state.values():
-                if not meta.folders:
-                    sizes[0] += meta.nchunks * meta.chunk_bytes
-                    continue
-                for folder in meta.folders:
-                    sizes[folder] += meta.chunk_bytes
-            caps = [max(a, b) for a, b in zip(caps, sizes, strict=True)]
-        for pool, cap in zip(self._spares, caps, strict=True):
+        for pool, cap in zip(self._spares, room, strict=True):
             pool.cap = cap
 
     def clear(self) -> None:

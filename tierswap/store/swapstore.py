@@ -175,7 +175,7 @@ class SwapStore:
         if not self.readonly:
             spares = [SparePool(f.internal / SPARE, names) for f in self._folder.folders]
         self._targets = ChunkTargets(self._folder, durable=self.durable, spares=spares)
-        self._targets.fit_spares(self._index.committed)
+        self._targets.fit_spares(self._index.spare_room())
         self._commits = Committer(self._folder, self._targets, sync, durable=self.durable)
         self._regions = RegionIO(
             self._gate, self._index, self._chunks, self._targets, durable=self.durable
@@ -265,8 +265,6 @@ class SwapStore:
             )
         as_cpu_contiguous(torch.empty(0, dtype=dtype))  # raises for dtypes that cannot be stored
         self._start_put(key, dtype, shape, None, _chunk_override(chunk_bytes)).result()
-        # its chunks' superseded versions may be kept as spares before it is committed
-        self._targets.fit_spares(self._index.committed, self._index.current())
 
     def _start_put(
         self,
