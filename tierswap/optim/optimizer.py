@@ -292,10 +292,14 @@ class SwapOptimizer(Assembly):
         (:meth:`~tierswap.optim.step.Stepper.grad_final`). With ``offload_parameters`` the
         gradient first goes to the swap space (:meth:`~tierswap.optim.stream.ParameterStream.
         grad_final`)."""
-        grad = None
-        if self._stream is not None:
-            grad = self._stream.grad_final(param, keep=self._stepper.keeps_grad(param))
-        self._stepper.grad_final(param, grad)
+        if self._stream is None:
+            self._stepper.grad_final(param)
+            return
+        grad = self._stream.grad_final(param, keep=self._stepper.keeps_grad(param))
+        try:
+            self._stepper.grad_final(param, grad)
+        finally:  # the slices that stepped took their masters from its values
+            self._stream.grad_done(param)
 
     @torch.no_grad()
     def clip_grad_norm_(

@@ -731,6 +731,30 @@ def test_kept_parameters_are_the_masters_their_steps_start_from(
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("overlap", ["auto", "backward"])
+def test_a_slice_stepping_in_backward_takes_its_master_from_the_parameter_in_use(
+    tmp_path: Path, overlap: str
+) -> None:
+    """With nothing kept between uses, a parameter holds its values through its module's
+    backward; its final gradient makes its slices step right there, and they take the master
+    from those values before the stream frees them: a step reads the moments alone (its reads
+    started ahead too), beside the parameters' own reads, bitwise as in memory."""
+    ref, model, plain, opt = _streaming(tmp_path, host_budget=49152, overlap=overlap)
+    numel = sum(p.numel() for p in model.parameters())
+    moved = []
+    for step in range(4):
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        stats = opt.tier_stats()
+        moved.append(stats["nvme"]["bytes_read"] - stats["parameters"]["fetched_bytes"])
+        _same_state_dicts(ref, model)
+    assert [b - a for a, b in itertools.pairwise(moved)][1:] == [2 * 4 * numel] * 2
+    opt.close()
+    assert_same_params(ref, model)
+
+
 @pytest.mark.parametrize("overlap", ["backward", None])
 @pytest.mark.parametrize("device_budget", [1 << 20, 17_000], ids=["all-kept", "some-kept"])
 def test_kept_masters_lag_until_a_commit_without_rollbacks(

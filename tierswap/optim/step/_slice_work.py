@@ -96,6 +96,7 @@ def slice_job(
     scratch: bool,
     scales_held: bool = False,
     grads_held: Container[int] = (),
+    live: Container[int] = (),
 ) -> Job:
     """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
     steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
@@ -105,7 +106,8 @@ def slice_job(
     are neither read nor counted: the work views them in :func:`scales_job`'s tensors
     (:func:`scales_views`). The kept gradients of the slots in ``grads_held`` are not read (its
     bytes still count them): the step takes them from memory
-    (:attr:`~tierswap.optim.plan.StepPlan.held`).
+    (:attr:`~tierswap.optim.plan.StepPlan.held`). ``live``: slots whose parameters will
+    hold their values when the job runs, though they may not yet (:func:`valued_masters`).
 
     A slice with a trainable parameter that has no state yet (its first step) steps with
     the state torch creates instead of decoded copies: that pass takes no share of the work
@@ -124,7 +126,7 @@ def slice_job(
     reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=in_memory)
     # a master the parameter holds is filled from it, not read (not a resident slice's: it
     # holds the master between steps)
-    unread = () if tier is not None else valued_masters(piece)
+    unread = () if tier is not None else valued_masters(piece, live)
     return Job(
         piece.index,
         tuple(region for region in reads if region not in unread),
@@ -135,12 +137,13 @@ def slice_job(
     )
 
 
-def valued_masters(piece: Slice) -> tuple[Region, ...]:
-    """The master regions of ``piece`` whose values a streamed parameter holds now, exactly:
-    an fp32 parameter kept in memory between uses (``device_budget``) or in use, whose
-    master it was read from, with the edits since written to it (before any step reads it)
-    and the step's updates made to it too. The step fills the master from it instead of
-    reading it (:func:`step_slice`'s ``unread``)."""
+def valued_masters(piece: Slice, live: Container[int] = ()) -> tuple[Region, ...]:
+    """The master regions of ``piece`` whose values a streamed parameter holds now (or, for
+    the slots in ``live``, will hold when the slice steps), exactly: an fp32 parameter kept
+    in memory between uses (``device_budget``) or in use (as one whose final gradient makes
+    its slice step in backward), whose master it was read from, with the edits since written
+    to it (before any step reads it) and the step's updates made to it too. The step fills
+    the master from it instead of reading it (:func:`step_slice`'s ``unread``)."""
     return tuple(
         _region(seg.slot.master_key, seg)
         for seg in piece.segments
@@ -148,7 +151,7 @@ def valued_masters(piece: Slice) -> tuple[Region, ...]:
         and seg.slot.has_master
         and not seg.slot.remainder
         and master_dtype(seg.slot.param) == seg.slot.param.dtype
-        and seg.slot.param.untyped_storage().nbytes() > 0
+        and (seg.slot.index in live or seg.slot.param.untyped_storage().nbytes() > 0)
     )
 
 

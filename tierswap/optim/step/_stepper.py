@@ -454,7 +454,10 @@ class Stepper:
         memory), unless it was handed over or does not step there."""
         if piece.index in self._queued or not self._speculable(piece):
             return None
-        return self._job(piece, held={seg.slot.index for seg in piece.segments})
+        slots = {seg.slot.index for seg in piece.segments}
+        # a slice of one parameter steps when its gradient is final, which the parameter
+        # holds its values for (the stream frees it after): its master is not read
+        return self._job(piece, held=slots, live=slots if len(slots) == 1 else ())
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -587,10 +590,10 @@ class Stepper:
             plan.unwritten = self.parts.state.unwritten_masters
         return plan
 
-    def _job(self, piece: Slice, held: Container[int] = ()) -> Job:
+    def _job(self, piece: Slice, held: Container[int] = (), live: Container[int] = ()) -> Job:
         return slice_job(
             piece, self.parts.state.names, self.layout.placement, scratch=self._scratch_on_cpu,
-            scales_held=self.layout.held_scales > 0, grads_held=held,
+            scales_held=self.layout.held_scales > 0, grads_held=held, live=live,
         )  # fmt: skip
 
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:

@@ -24,8 +24,9 @@ clipping works (it asks the norms and records the factor), and a ``GradScaler``'
 asks whether each is finite and records its factor); the step reads the gradient with the
 slice's state and applies the factors. A slice that steps in backward (``overlap="auto"``)
 takes the gradient from memory instead (:meth:`ParameterStream.grad_final` returns it), and
-``step()`` checks that no factor changed it. Backward passes that accumulate add to the
-kept gradient, as torch adds into ``param.grad``.
+``step()`` checks that no factor changed it; the parameter is freed after that step
+(:meth:`ParameterStream.grad_done`), which takes the master from its values, not the store.
+Backward passes that accumulate add to the kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` holds the parameters in use and keeps others between uses: when some are
 done with, those idle ones whose next use in the recorded order comes soonest keep their
@@ -256,8 +257,9 @@ class ParameterStream:
         """``param``'s gradient is final in this backward pass (the optimizer's gradient hook,
         before the step hears of it): keep it in the swap space, added to the one kept since
         the last ``zero_grad()`` (accumulation, as torch adds into ``param.grad``), leave
-        :class:`OffloadedGradient` in ``param.grad``, and free the parameter, which backward
-        needs no more. Returns the gradient (a slice may step with it now), if any. Without
+        :class:`OffloadedGradient` in ``param.grad``. Returns the gradient (a slice may step
+        with it now), if any; :meth:`grad_done` then frees the parameter, which backward needs
+        no more (a slice stepping in between takes its master from the values). Without
         ``keep`` (``overlap="backward"``, the step's last pass: its slices step with it from
         memory and nothing reads it again) it is not written to the swap space."""
         slot = self.parts.layout.slot_of.get(id(param))
@@ -282,9 +284,14 @@ class ParameterStream:
             param.grad = OffloadedGradient(param, self, slot.index)
         else:
             grad = None
-        if self._users[slot.index] <= 0:
-            self._let_go([slot.index])
         return grad
+
+    def grad_done(self, param: torch.Tensor) -> None:
+        """The slices that ``param``'s final gradient made ready have stepped: free the
+        parameter unless a running module uses it (or ``device_budget`` keeps it)."""
+        slot = self.parts.layout.slot_of.get(id(param))
+        if slot is not None and slot.streamed and self._users[slot.index] <= 0:
+            self._let_go([slot.index])
 
     def use(self, index: int, *, saved: bool) -> bool:
         """An operation is about to read the parameter of slot ``index`` (its
