@@ -295,11 +295,19 @@ class SwapOptimizer(Assembly):
         if self._stream is None:
             self._stepper.grad_final(param)
             return
-        grad = self._stream.grad_final(param, keep=self._stepper.keeps_grad(param))
+        stream, freed = self._stream, False
+        grad = stream.grad_final(param, keep=self._stepper.keeps_grad(param))
+
+        def done() -> None:  # after the slices that step now took their masters from it
+            nonlocal freed
+            if not freed:
+                freed = True
+                stream.grad_done(param)
+
         try:
-            self._stepper.grad_final(param, grad)
-        finally:  # the slices that stepped took their masters from its values
-            self._stream.grad_done(param)
+            self._stepper.grad_final(param, grad, done=done)
+        finally:
+            done()
 
     @torch.no_grad()
     def clip_grad_norm_(

@@ -365,7 +365,13 @@ class Stepper:
             commit(self.parts)
 
     # -- gradient hooks -------------------------------------------------------------------
-    def grad_final(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+    def grad_final(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor | None = None,
+        *,
+        done: Callable[[], None] = lambda: None,
+    ) -> None:
         """``param``'s gradient is final (its post-accumulate-grad hook); ``grad``: a
         streamed parameter's, which left ``param.grad`` for the swap space.
 
@@ -373,6 +379,10 @@ class Stepper:
         ``overlap="backward"``, hands the worker each of its slices whose parameters' gradients
         are all final (every ``accumulation_steps`` backward passes) and returns: backward goes
         on while they step (:meth:`_step_in_backward`).
+
+        ``done`` frees a streamed parameter's values (the stream's ``grad_done``; the caller
+        calls it after this returns too): called before reads for a later step start, so
+        that their jobs read what that step will need (the master of a parameter freed by then).
         """
         layout = self.layout
         slot = layout.slot_of.get(id(param))
@@ -380,9 +390,10 @@ class Stepper:
             return
         overlap = self.parts.config.overlap
         if self._speculative:
-            self._grad_speculative(layout, slot.index, grad)
+            self._grad_speculative(layout, slot.index, grad, done)
             return
         if overlap != "backward":
+            done()
             self._prefetch(layout.slices_of[slot.index])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
@@ -412,13 +423,16 @@ class Stepper:
             self._read_ahead = True
             self._prefetch(layout.slices[::-1])
 
-    def _grad_speculative(self, layout: Layout, index: int, grad: torch.Tensor | None) -> None:
+    def _grad_speculative(
+        self, layout: Layout, index: int, grad: torch.Tensor | None, done: Callable[[], None]
+    ) -> None:
         """Speculation: hand the worker the slices this gradient makes ready (streamed
         parameters: step them here, ``grad`` in memory), when this step speculates and this
-        is the step's last backward pass; else read ahead."""
+        is the step's last backward pass; else (``done`` first) read ahead."""
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
         spec = self.speculation
         if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
+            done()
             if self._ends_in_step:
                 self._prefetch(layout.slices_of[index])
             else:
