@@ -97,7 +97,7 @@ class StoreIndex:
         for key, (meta, files) in arrays.items():
             self._entries[key] = Entry(meta, files)
             self._committed[key] = meta
-            _count(self._bytes, meta, 1)
+        self._bytes = _chunk_bytes(self._committed.values(), len(self.roots))
         self._committed_bytes = list(self._bytes)
         self._damaged = damaged
         for key in [*arrays, *damaged]:
@@ -343,10 +343,16 @@ class StoreIndex:
                 ]
                 entry.staged, entry.dirty = set(), False
         self._committed = current
-        self._committed_bytes = [0] * len(self.roots)
-        for meta in current.values():
-            _count(self._committed_bytes, meta, 1)
+        self._committed_bytes = _chunk_bytes(current.values(), len(self.roots))
         self._purged.clear()
+
+
+def _chunk_bytes(metas: Iterable[ArrayMeta], folders: int) -> list[int]:
+    """The chunk bytes of ``metas`` per folder (of ``folders``), as :func:`_count` adds them."""
+    counts = [0] * folders
+    for meta in metas:
+        _count(counts, meta, 1)
+    return counts
 
 
 def _count(counts: list[int], meta: ArrayMeta, sign: int) -> None:
