@@ -65,11 +65,12 @@ def _streaming(
 
 
 def _train(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float
-) -> torch.Tensor:
-    """One step with clipping; the total norm of the gradients."""
+    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, clip: float | None = None
+) -> torch.Tensor | None:
+    """One step, with clipping unless ``clip`` is ``None``; the total norm of the gradients
+    (``None`` without clipping)."""
     model(batch_for_step(step)).square().mean().backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    norm = None if clip is None else torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad()
     return norm
@@ -743,10 +744,8 @@ def test_a_slice_stepping_in_backward_takes_its_master_from_the_parameter_in_use
     numel = sum(p.numel() for p in model.parameters())
     moved = []
     for step in range(4):
-        for m, o in ((ref, plain), (model, opt)):
-            m(batch_for_step(step)).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        _train(ref, plain, step)
+        _train(model, opt, step)
         stats = opt.tier_stats()
         moved.append(stats["nvme"]["bytes_read"] - stats["parameters"]["fetched_bytes"])
         _same_state_dicts(ref, model)
@@ -770,10 +769,8 @@ def test_kept_masters_lag_until_a_commit_without_rollbacks(
     numel = sum(p.numel() for p in model.parameters())
     written = []
     for step in range(4):
-        for m, o in ((ref, plain), (model, opt)):
-            m(batch_for_step(step)).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        _train(ref, plain, step)
+        _train(model, opt, step)
         _same_state_dicts(ref, model)  # a freed parameter's master was written when it left
         opt._backend.pipeline.drain()  # the last writes of a step end during the next one
         written.append(opt.tier_stats()["nvme"]["bytes_written"])
