@@ -278,6 +278,8 @@ def deepspeed_config(
             "overlap_events": True,
         },
     }
+    if args.clip is not None:  # as tierswap's runs clip with clip_grad_norm_
+        config["gradient_clipping"] = args.clip
     if offload_param:
         # A swap buffer holds one parameter: the parameters live at once (and read ahead) must
         # not outnumber them ("Not enough buffers" in the first forward with the defaults).
@@ -321,15 +323,25 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
         model=work.model, model_parameters=work.model.parameters(), config=config
     )
 
+    phases = _phases()
+
     def iterate() -> None:
-        engine.backward(work.loss(engine))
-        engine.step()
+        start = time.perf_counter()
+        loss = work.loss(engine)
+        forward = time.perf_counter()
+        engine.backward(loss)
+        backward = time.perf_counter()
+        engine.step()  # clips by the global norm when --clip sets gradient_clipping
+        end = time.perf_counter()
+        phases["forward"].append(forward - start)
+        phases["backward"].append(backward - forward)
+        phases["step"].append(end - backward)
 
     try:
         result = _time_iterations(iterate, args.iters, DISK)
     finally:
         engine.destroy()
-    return {**result, "deepspeed": deepspeed.__version__}
+    return {**result, "phases": phases, "deepspeed": deepspeed.__version__}
 
 
 RUNNERS = {"ram": run_ram, "tierswap": run_tierswap, "deepspeed": run_deepspeed}

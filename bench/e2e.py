@@ -618,7 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--clip", type=float, default=None, metavar="MAX_NORM",
         help="torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) before every step "
-        "(every configuration; the gpulike model's gradient norm is about 10)",
+        "(every configuration; DeepSpeed's as its gradient_clipping: MAX_NORM; the gpulike "
+        "model's gradient norm is about 10)",
     )  # fmt: skip
     p.add_argument("--width", type=int, default=4096, help="layer width (smaller: smoke tests)")
     p.add_argument("--depth", type=int, default=6, help="hidden blocks")
