@@ -3,8 +3,9 @@
 Why C: torch's eager ops take a dozen passes over each piece for the 8-bit encoder and
 single-thread their gathers, and split a master into remainders through strided int16 views,
 so on the CPU the compact step was bound by its codec (``bench/codec.py``). The kernels do the
-same arithmetic in one pass, bit for bit (the tests compare both), on half of
-``torch.get_num_threads()`` threads, and ctypes releases the GIL while they run.
+same arithmetic in one pass, bit for bit (the tests compare both), on the step's share of
+torch's threads (:func:`tierswap._threads.kernel_threads`), and ctypes releases the GIL while
+they run.
 
 Built on first use with the system's C compiler (:func:`build_command`) into
 ``$TIERSWAP_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tierswap`` or ``~/.cache/tierswap``), under
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tierswap._threads import kernel_threads
 
 __all__ = [
     "Kernels",
@@ -76,7 +79,7 @@ class Kernels:
         """``codes`` and ``absmax`` of flat fp32 ``x`` (``offsets``: ``_code_offsets``)."""
         self._fns["tierswap_encode_8bit"](
             x.data_ptr(), x.numel(), block_size, offsets.data_ptr(), codes.data_ptr(),
-            absmax.data_ptr(), _threads(),
+            absmax.data_ptr(), kernel_threads(),
         )  # fmt: skip
 
     def decode_8bit(
@@ -90,7 +93,7 @@ class Kernels:
         """fp32 values of ``codes`` and ``absmax`` under the 256-entry ``qmap`` into ``out``."""
         self._fns["tierswap_decode_8bit"](
             codes.data_ptr(), absmax.data_ptr(), codes.numel(), block_size, qmap.data_ptr(),
-            out.data_ptr(), _threads(),
+            out.data_ptr(), kernel_threads(),
         )  # fmt: skip
 
     def split(
@@ -100,21 +103,18 @@ class Kernels:
         lower halves into int16 ``remainder`` when given."""
         rem = 0 if remainder is None else remainder.data_ptr()
         self._fns["tierswap_split"](
-            master.data_ptr(), master.numel(), param_bits.data_ptr(), rem, _threads()
+            master.data_ptr(), master.numel(), param_bits.data_ptr(), rem, kernel_threads()
         )
 
     def join(self, param_bits: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> None:
         """fp32 ``out`` with bits ``(param_bits << 16) + remainder``."""
         self._fns["tierswap_join"](
-            param_bits.data_ptr(), remainder.data_ptr(), out.numel(), out.data_ptr(), _threads()
+            param_bits.data_ptr(),
+            remainder.data_ptr(),
+            out.numel(),
+            out.data_ptr(),
+            kernel_threads(),
         )
-
-
-def _threads() -> int:
-    """Half of torch's threads: the step's I/O threads need the rest. On the 2-core VM one
-    kernel thread streamed the 8-bit e2e step 13-17% faster than two, whose caller waited on the
-    share of a thread that found no free core (``docs/benchmarks.md``)."""
-    return max(1, torch.get_num_threads() // 2)
 
 
 def cache_dir() -> Path:

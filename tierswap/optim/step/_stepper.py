@@ -33,6 +33,7 @@ from typing import Any, cast
 
 import torch
 
+from tierswap._threads import elementwise, step_threads
 from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
 from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
@@ -137,7 +138,8 @@ class Stepper:
         ]
         pieces = interleave(pieces, self.layout.placement)
         try:
-            self._step_slices(pieces, live)
+            with step_threads(elementwise(self.parts.inners)):  # the I/O threads need cores
+                self._step_slices(pieces, live)
             if self.parts.config.overlap == "backward":  # the step consumes gradients, as in hooks
                 for index in live:
                     self.layout.slots[index].param.grad = None
@@ -184,8 +186,11 @@ class Stepper:
         self._end_backward()
         state.steps += 1
 
+        # on this thread, nothing of tierswap's computing beside it: half the threads
+        fewer = self._ends_in_step and elementwise(self.parts.inners)
+
         def run() -> None:
-            with torch.no_grad(), step_allocations():
+            with torch.no_grad(), step_allocations(), step_threads(fewer):
                 try:
                     if redo:
                         self._roll_back(redo)
