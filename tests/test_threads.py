@@ -72,8 +72,8 @@ def _threads_seen_by_inner_steps(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
     opt = ts.SwapOptimizer(
-        model.named_parameters(), inner, lr=1e-3, swap_dir=tmp_path, host_budget="64KiB",
-        **options,
+        model.named_parameters(), inner, lr=1e-3, swap_dir=tmp_path,
+        **{"host_budget": "32KiB", **options},  # (32 KiB: every slice streams)
     )  # fmt: skip
     seen: set[int] = set()
     elsewhere = set() if others is None else others
@@ -111,6 +111,9 @@ def test_a_step_on_the_callers_thread_runs_elementwise_steps_on_half_the_threads
     assert torch.get_num_threads() == 4
     # a subclass may reduce: the thread count stays
     assert _threads_seen_by_inner_steps(_MyAdamW, tmp_path / "b", overlap=overlap) == {4}
+    # no slice streams: no I/O thread needs a core
+    resident = {"overlap": overlap, "host_budget": "16MiB"}
+    assert _threads_seen_by_inner_steps(torch.optim.AdamW, tmp_path / "c", **resident) == {4}
 
 
 @pytest.mark.usefixtures("four_threads")

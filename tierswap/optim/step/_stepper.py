@@ -138,7 +138,7 @@ class Stepper:
         ]
         pieces = interleave(pieces, self.layout.placement)
         try:
-            with step_threads(elementwise(self.parts.inners)):  # the I/O threads need cores
+            with step_threads(self._fewer_threads(pieces)):
                 self._step_slices(pieces, live)
             if self.parts.config.overlap == "backward":  # the step consumes gradients, as in hooks
                 for index in live:
@@ -186,8 +186,7 @@ class Stepper:
         self._end_backward()
         state.steps += 1
 
-        # on this thread, nothing of tierswap's computing beside it: half the threads
-        fewer = self._ends_in_step and elementwise(self.parts.inners)
+        fewer = self._ends_in_step and self._fewer_threads(pieces)  # on this thread
 
         def run() -> None:
             with torch.no_grad(), step_allocations(), step_threads(fewer):
@@ -217,6 +216,15 @@ class Stepper:
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
         self.deferred.start(counts, run)
+
+    def _fewer_threads(self, pieces: list[Slice]) -> bool:
+        """Whether a step of ``pieces`` on ``step()``'s thread, with nothing of tierswap's
+        computing beside it, runs on half of torch's threads (:mod:`tierswap._threads`): its
+        torch optimizers are elementwise and some of the slices stream, so the I/O threads
+        need cores beside it."""
+        placement = self.layout.placement
+        streams = any(piece.index not in placement for piece in pieces)
+        return streams and elementwise(self.parts.inners)
 
     def _checked_plan(
         self,
