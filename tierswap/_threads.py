@@ -5,8 +5,9 @@ checksums, copies and system calls). An op split over every core then waits for 
 that finds none free: on the 2-core VM one thread ran GPT-2 4 x 1024's streamed step after
 backward 10-20% faster than two, and the 8-bit C kernels 13-17% faster
 (``docs/benchmarks.md``). So the step's C kernels take :func:`kernel_threads`, and a step that
-``step()`` runs on its caller's thread runs its torch ops on as many (:func:`step_threads`)
-where that cannot change their results.
+``step()`` runs on its caller's thread, with slices streaming, runs its torch ops on as many
+(:func:`step_threads`) where that cannot change their results. (A step of resident slices
+has no I/O beside it, and keeps every thread.)
 
 It can where an op reduces: torch's CPU reductions split their range by thread count, so a sum
 over millions of elements rounds differently on one thread than on two (measured here). The
