@@ -142,8 +142,9 @@ def valued_masters(piece: Slice, live: Container[int] = ()) -> tuple[Region, ...
     the slots in ``live``, will hold when the slice steps), exactly: an fp32 parameter kept
     in memory between uses (``device_budget``) or in use (as one whose final gradient makes
     its slice step in backward), whose master it was read from, with the edits since written
-    to it (before any step reads it) and the step's updates made to it too. The step fills
-    the master from it instead of reading it (:func:`step_slice`'s ``unread``)."""
+    to it (before any step reads it) and the step's updates made to it too. The step steps
+    the parameter's values in place (on the CPU), or fills the master from them, instead of
+    reading it (:func:`step_slice`'s ``unread``)."""
     return tuple(
         _region(seg.slot.master_key, seg)
         for seg in piece.segments
@@ -245,7 +246,7 @@ def step_slice(
 ) -> dict[Region, torch.Tensor]:
     """Step the live segments of ``piece``; return the regions to write back.
     ``scratch_buffer`` (``piece.scratch_bytes`` or more) holds the step's work buffers. The
-    master regions in ``unread`` were not read: they are filled from their parameters
+    master regions in ``unread`` were not read: their parameters hold them
     (:func:`valued_masters`)."""
     segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
     if not segments:
@@ -357,7 +358,14 @@ def _target(
     if slot.has_master:
         stored = tensors[_region(slot.master_key, seg)]
         if _region(slot.master_key, seg) in unread:  # the parameter holds it (not an edit)
-            stored.copy_(flat(slot.param.data)[seg.start : seg.stop])
+            values = flat(slot.param.data)[seg.start : seg.stop]
+            if values.device.type == "cpu" == stored.device.type:
+                # stepped in place, as a parameter without a master, not copied in and back
+                # (its write, if any, copies it into the job's buffer: the parameter may let
+                # its values go once the slice has stepped)
+                stored = values
+            else:
+                stored.copy_(values)
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
             param = _param_values(slot, seg, tensors).to(stored.device)
             stored = join(param, stored, scratch.take(seg.numel, stored.device))
@@ -512,7 +520,9 @@ def _collect(
         if not slot.streamed:
             flat(slot.param)[seg.start : seg.stop].copy_(target.view(-1))
         elif slot.param.untyped_storage().nbytes() > 0:  # not an edit: .data moves no version
-            flat(slot.param.data)[seg.start : seg.stop].copy_(target.view(-1))
+            values = flat(slot.param.data)[seg.start : seg.stop]
+            if values.data_ptr() != target.data_ptr():  # (not stepped in place: _target)
+                values.copy_(target.view(-1))
         writes.update(_master_write(plan, seg, target, unread))
     elif plan.write_params:
         writes[_region(slot.param_key, seg)] = target.view(-1)
