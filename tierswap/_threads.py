@@ -3,7 +3,7 @@
 While slices step on the CPU, the I/O threads that read and write them need cores too (their
 checksums, copies and system calls). An op split over every core then waits for the share
 that finds none free: on the 2-core VM one thread ran GPT-2 4 x 1024's streamed step after
-backward 10-20% faster than two, and the 8-bit C kernels 13-17% faster
+backward 8-18% faster than two, and the 8-bit C kernels 13-17% faster
 (``docs/benchmarks.md``). So the step's C kernels take :func:`kernel_threads`, and a step that
 ``step()`` runs on its caller's thread, with slices streaming, runs its torch ops on as many
 (:func:`step_threads`) where that cannot change their results. (A step of resident slices
@@ -25,6 +25,7 @@ not run an op yet starts from, so it would slow autograd running beside the step
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -62,11 +63,18 @@ def elementwise(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
     return all(type(opt) in ELEMENTWISE for opt in optimizers)
 
 
+@functools.cache
+def _openmp() -> bool:
+    """Whether torch's CPU ops run on OpenMP (its wheels for Linux and Windows): elsewhere
+    (the native pool) ``torch.set_num_threads`` after the first parallel op only warns."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @contextlib.contextmanager
 def step_threads(lower: bool) -> Iterator[None]:
-    """Run torch's ops on :func:`kernel_threads` threads within the block when ``lower``,
-    restored after; a nested block keeps the outer one's count."""
-    if not lower or getattr(_lowered, "base", None) is not None:
+    """Run torch's ops on :func:`kernel_threads` threads within the block when ``lower``
+    (under OpenMP), restored after; a nested block keeps the outer one's count."""
+    if not lower or not _openmp() or getattr(_lowered, "base", None) is not None:
         yield
         return
     base = torch.get_num_threads()
