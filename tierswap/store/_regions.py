@@ -152,7 +152,8 @@ class RegionIO:
 
     def write(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
         """Start overwriting elements ``[start, start + tensor.numel())`` of ``key``."""
-        source = as_cpu_contiguous(tensor).reshape(-1)
+        source = as_cpu_contiguous(tensor)
+        source = source if source.dim() == 1 else source.reshape(-1)  # (an op: lets the GIL go)
         stop = start + source.numel() if isinstance(start, int) else start
         claim = RegionClaim(
             self._index,

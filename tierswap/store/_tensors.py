@@ -29,12 +29,23 @@ def spare_bytes(tensor: torch.Tensor) -> int:
 
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as a plain, contiguous CPU tensor (itself when it is one already).
+
+    Each op called here (``detach``, ``resolve_conj``, ...) lets the GIL go and must take it
+    back from the I/O threads: about one per region a step writes, so only the ones a tensor
+    needs are called (a plain tensor without grad, without the conj or neg bit, is as it
+    is)."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensorError(f"put() takes a torch.Tensor, not {type(tensor).__name__}")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise InvalidTensorError(f"layout {tensor.layout} cannot be stored; call .to_dense()")
     dtype_name(tensor.dtype)  # raises for dtypes that cannot be stored
-    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if type(tensor) is not torch.Tensor or tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     return tensor.contiguous()
@@ -63,4 +74,4 @@ def prepare_out(
         )
     if not out.is_contiguous():
         raise InvalidTensorError(f"out= for key {meta.key!r} must be contiguous")
-    return out if region is None else out.view(-1)
+    return out if region is None or out.dim() == 1 else out.view(-1)
