@@ -80,5 +80,8 @@ def apply_grad_edits(grad: torch.Tensor, edits: tuple[Any, ...] | list[Any]) -> 
 
 
 def _on(value: Any, device: torch.device) -> Any:
-    """``value`` on ``device`` when it is a tensor."""
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    """``value`` on ``device`` when it is a tensor (``to`` is an op, called only when it
+    moves: each op lets the GIL go, and a step edits every gradient it reads back)."""
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device)
+    return value
