@@ -343,7 +343,7 @@ class StoreIndex:
                 ]
                 entry.staged, entry.dirty = set(), False
         self._committed = current
-        self._committed_bytes = _chunk_bytes(current.values(), len(self.roots))
+        self._committed_bytes = list(self._bytes)  # current: the entries, counted as they change
         self._purged.clear()
 
 
