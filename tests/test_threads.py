@@ -51,14 +51,14 @@ def test_a_failing_block_restores_the_count() -> None:
         assert torch.get_num_threads() == 2
 
 
+class _MyAdamW(torch.optim.AdamW):  # may override step with reductions
+    pass
+
+
 def test_only_torch_optimizers_known_elementwise_count() -> None:
     w = [torch.nn.Parameter(torch.zeros(2))]
-
-    class MyAdamW(torch.optim.AdamW):  # may override step with reductions
-        pass
-
     assert elementwise([torch.optim.AdamW(w), torch.optim.SGD(w, lr=0.1)])
-    assert not elementwise([torch.optim.AdamW(w), MyAdamW(w)])
+    assert not elementwise([torch.optim.AdamW(w), _MyAdamW(w)])
     assert not elementwise([torch.optim.Adafactor(w)])  # row and column means
     assert kernel_threads() >= 1
 
@@ -97,10 +97,6 @@ def _threads_seen_by_inner_steps(
         hook.remove()
         opt.close()
     return seen
-
-
-class _MyAdamW(torch.optim.AdamW):
-    pass
 
 
 @pytest.mark.usefixtures("four_threads")
