@@ -126,11 +126,13 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _copy_now(value: torch.Tensor, host_tensor: torch.Tensor | None) -> ToHost:
     """``value`` as the 1-D tensor to write: copied into ``host_tensor`` when that is other
     memory, else itself (a synchronous copy: nothing to wait for)."""
-    value = value.detach()
+    # detach and view only where needed: each is an op, which lets the GIL go
+    value = value.detach() if value.requires_grad else value
+    flat = value if value.dim() == 1 else value.view(-1)
     if host_tensor is None or _same_memory(value, host_tensor):
-        return ToHost(value.view(-1), completed())
+        return ToHost(flat, completed())
     with torch.no_grad():
-        host_tensor.copy_(value.view(-1))
+        host_tensor.copy_(flat)
     return ToHost(host_tensor, completed())
 
 

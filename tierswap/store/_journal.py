@@ -242,8 +242,8 @@ def commit_durable(
                 src.unlink()
         raise
     roll_forward(root, internal, plan, sync_dirs)
-    with contextlib.suppress(OSError):
-        staging.rmdir()
+    # the staging folder stays (empty) for the next commit's writes, which would otherwise
+    # create it again and fsync its parent; a writer's open and close remove it
 
 
 def apply_in_place(root: Roots, plan: CommitPlan, documents: list[tuple[str, bytes]]) -> None:

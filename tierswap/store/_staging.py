@@ -45,6 +45,9 @@ class ChunkTargets:
         self._durable = durable
         self._spares = spares  # one pool per folder, in the order of the store's folders
         self._batches = itertools.count()
+        # staging folders made durable by this object: they stay until the store closes
+        # (commits leave them), so a write's new file costs no stat of its folder
+        self._staging_ready: set[int] = set()
 
     def batch(self) -> int:
         """A fresh number naming the files of one write (unique within this store object)."""
@@ -55,7 +58,9 @@ class ChunkTargets:
         number ``batch``."""
         if self._durable:
             staging = self._folder.folders[folder].staging
-            mkdirs_durable(staging)  # its entry durable before a journal names files in it
+            if folder not in self._staging_ready:
+                mkdirs_durable(staging)  # its entry durable before a journal names files in it
+                self._staging_ready.add(folder)
             return staging / f"{batch}.{index}"
         final = self._folder.roots[folder] / chunk_relpath(key, index)
         final.parent.mkdir(parents=True, exist_ok=True)
