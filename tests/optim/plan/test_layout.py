@@ -54,6 +54,31 @@ def test_budgets_small_against_the_state_keep_the_floor(monkeypatch: pytest.Monk
     assert _resident_bytes(layout) <= budget - FLOOR
 
 
+def test_budgets_small_against_the_state_raise_the_floor_within_the_traffic_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the budget holds under a fifth of the state, the streaming part grows past the
+    floor to what keeps the traffic within 1.05 x (state - 0.9 x budget), up to the ceiling:
+    larger slices, fewer of them, still within the bound."""
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", 1 << 20)
+    slots = _slots()
+    state = _state(slots)
+    budget = state // 10
+
+    def plan(ceiling: int) -> _layout.Layout:
+        monkeypatch.setattr(_layout, "STREAM_CEILING", ceiling)
+        return _layout.plan_layout(slots, host_budget=budget, device_budget=0, policy="lookahead")
+
+    kept, raised = plan(1 << 20), plan(64 << 20)  # a ceiling at the floor keeps the floor
+    allowed = (state // 20 + budget * 55 // 1000) * 4 // 5
+    assert allowed > 2 * (1 << 20)
+    assert len(raised.slices) * 2 <= len(kept.slices)
+    assert _resident_bytes(raised) <= budget - allowed + max(p.held_bytes for p in raised.slices)
+    streamed = state - _resident_bytes(raised)
+    assert streamed <= 1.05 * (state - 0.9 * budget), streamed / state
+    assert streamed > state - _resident_bytes(kept)  # the bytes that bought the larger slices
+
+
 @pytest.mark.parametrize("share", [1.0, 0.8])
 def test_a_gpu_budget_that_holds_the_state_keeps_every_slice(share: float) -> None:
     """Slices that step on a GPU pass through its memory when they stream, so the device tier

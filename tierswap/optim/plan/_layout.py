@@ -26,6 +26,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "MAX_SLICE_BYTES",
     "MIN_CHUNK_BYTES",
+    "STREAM_CEILING",
     "STREAM_FLOOR",
     "STREAM_SLICES",
     "Layout",
@@ -46,6 +47,8 @@ DEVICE_STREAM_SLICES = 3
 #: it is smaller; less when the budgets hold much of the state: ``_streaming_part``), so that
 #: slices stay large enough for the disk; the rest holds resident slices.
 STREAM_FLOOR = 32 << 20
+#: The most that floor rises to where the budgets hold little of the state (``_streaming_part``).
+STREAM_CEILING = 128 << 20
 #: Smallest and largest chunk of the state arrays (slices split parameters at chunk multiples).
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 16 << 20
 
@@ -192,18 +195,27 @@ def _scales_to_hold(slots: list[Slot], budget: int, device_compute: bool) -> lis
 
 
 def _streaming_part(budget: int, device_budget: int, state: int) -> int:
-    """Host bytes for the slices in flight: a tenth of ``budget``, at least ``STREAM_FLOOR``
-    (or the whole budget when it is smaller) so that slices stay large enough for the disk.
+    """Host bytes for the slices in flight: a tenth of ``budget``, at least a floor (or the
+    whole budget when it is smaller) so that slices stay large enough for the disk.
 
-    The floor buys large slices with residency. Where the budgets hold little of the
-    ``state`` (the slices' held bytes) that is cheap, but where they hold much of it (more than
-    a fifth) the floor would leave a large share of them to streaming: it then shrinks with the
-    share that streams, ``(state - budgets) / (4 x budgets)``, so that resident slices fill
-    about 90% of the budgets (the disk traffic stays within 1.05 x (state - 0.9 x budgets))."""
+    The floor buys large slices with residency; the disk traffic it allows is kept within
+    1.05 x (state - 0.9 x budgets), ``state`` being the slices' held bytes. Where the budgets
+    hold much of the state (more than a fifth) ``STREAM_FLOOR`` would leave a large share of
+    them to streaming: it then shrinks with the share that streams, ``(state - budgets) /
+    (4 x budgets)``, so that resident slices fill about 90% of the budgets. Where they hold
+    less, residency saves little and each slice costs the step a fixed overhead (its Python,
+    its chunk requests): the floor rises to what that traffic bound allows, ``state / 20 +
+    0.055 x budgets``, less a fifth (the policy keeps whole slices, so the resident bytes may
+    fall short of their room by up to a slice, a quarter of the streaming part), up to
+    ``STREAM_CEILING`` (a 128 MiB host budget against 1.2 GB of state: 52 MiB, slices of
+    about 13 MiB instead of 8)."""
     budgets = budget + device_budget
     floor = STREAM_FLOOR
     if 0 < state - budgets < 4 * budgets:
         floor = STREAM_FLOOR * (state - budgets) // (4 * budgets)
+    elif state - budgets >= 4 * budgets:
+        allowed = (state // 20 + budgets * 55 // 1000) * 4 // 5
+        floor = max(STREAM_FLOOR, min(allowed, STREAM_CEILING))
     return max(budget // 10, min(budget, floor))
 
 
