@@ -207,8 +207,8 @@ def _streaming_part(budget: int, device_budget: int, state: int) -> int:
     its chunk requests): the floor rises to what that traffic bound allows, ``state / 20 +
     0.055 x budgets``, less a fifth (the policy keeps whole slices, so the resident bytes may
     fall short of their room by up to a slice, a quarter of the streaming part), up to
-    ``STREAM_CEILING`` (a 128 MiB host budget against 1.2 GB of state: 52 MiB, slices of
-    about 13 MiB instead of 8)."""
+    ``STREAM_CEILING`` (a 128 MiB host budget against 1.5 GiB of state: 68 MiB, 115 slices
+    of up to 16 MiB instead of 212 of up to 8)."""
     budgets = budget + device_budget
     floor = STREAM_FLOOR
     if 0 < state - budgets < 4 * budgets:
