@@ -44,8 +44,9 @@ STREAM_SLICES = 4
 #: resident in the device tier: one copying in while one steps and one copies back.
 DEVICE_STREAM_SLICES = 3
 #: The streaming part of the host budget: a tenth, at least this much (or the whole budget when
-#: it is smaller; less when the budgets hold much of the state: ``_streaming_part``), so that
-#: slices stay large enough for the disk; the rest holds resident slices.
+#: it is smaller; less when the budgets hold much of the state, more when they hold little:
+#: ``_streaming_part``), so that slices stay large enough for the disk; the rest holds
+#: resident slices.
 STREAM_FLOOR = 32 << 20
 #: The most that floor rises to where the budgets hold little of the state (``_streaming_part``).
 STREAM_CEILING = 128 << 20
