@@ -150,6 +150,30 @@ def _time_iterations(
     return result
 
 
+def _phased(
+    phases: dict[str, list[float]],
+    forward: Callable[[], Any],
+    backward: Callable[[Any], None],
+    step: Callable[[], None],
+) -> Callable[[], None]:
+    """One iteration, ``forward()`` (the loss), ``backward(loss)`` and ``step()``, each phase
+    timed into ``phases``."""
+
+    def iterate() -> None:
+        start = time.perf_counter()
+        loss = forward()
+        forwarded = time.perf_counter()
+        backward(loss)
+        backwarded = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        phases["forward"].append(forwarded - start)
+        phases["backward"].append(backwarded - forwarded)
+        phases["step"].append(end - backwarded)
+
+    return iterate
+
+
 def _torch_loop(
     work: Workload, opt: torch.optim.Optimizer | None, phases: dict[str, list[float]]
 ) -> Callable:
@@ -157,12 +181,7 @@ def _torch_loop(
     previous step's updates; step is what ``opt.step()`` takes before it returns; without an
     optimizer, forward and backward alone)."""
 
-    def iterate() -> None:
-        start = time.perf_counter()
-        loss = work.loss(work.model)
-        forward = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter()
+    def step() -> None:
         if opt is not None:
             if work.clip is not None:  # part of the step phase (streamed gradients too)
                 torch.nn.utils.clip_grad_norm_(work.model.parameters(), work.clip)
@@ -170,12 +189,8 @@ def _torch_loop(
             opt.zero_grad()
         else:
             work.model.zero_grad()
-        end = time.perf_counter()
-        phases["forward"].append(forward - start)
-        phases["backward"].append(backward - forward)
-        phases["step"].append(end - backward)
 
-    return iterate
+    return _phased(phases, lambda: work.loss(work.model), lambda loss: loss.backward(), step)
 
 
 def _phases() -> dict[str, list[float]]:
@@ -324,19 +339,8 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     phases = _phases()
-
-    def iterate() -> None:
-        start = time.perf_counter()
-        loss = work.loss(engine)
-        forward = time.perf_counter()
-        engine.backward(loss)
-        backward = time.perf_counter()
-        engine.step()  # clips by the global norm when --clip sets gradient_clipping
-        end = time.perf_counter()
-        phases["forward"].append(forward - start)
-        phases["backward"].append(backward - forward)
-        phases["step"].append(end - backward)
-
+    # the step clips by the global norm when --clip sets gradient_clipping
+    iterate = _phased(phases, lambda: work.loss(engine), engine.backward, engine.step)
     try:
         result = _time_iterations(iterate, args.iters, DISK)
     finally:
