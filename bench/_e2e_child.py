@@ -49,8 +49,9 @@ def build_gpt2(layers: int = 12, width: int = 768) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-#: The GPU-like model: layers of one fp32 weight each, whose forward and backward take this
-#: long off the CPU (a wait that releases the GIL, as a thread waits for a GPU's kernels).
+#: The GPU-like model: layers of one fp32 weight each (12 unless --gpulike-layers), whose
+#: forward and backward take this long off the CPU (a wait that releases the GIL, as a thread
+#: waits for a GPU's kernels).
 GPULIKE_LAYERS, GPULIKE_SHAPE = 12, (2048, 4096)
 GPULIKE_FORWARD_S, GPULIKE_BACKWARD_S = 0.040, 0.080
 
@@ -72,19 +73,24 @@ class _OffCPU(torch.autograd.Function):
 
 
 class OffCPULayer(torch.nn.Module):
-    def __init__(self) -> None:
+    """One fp32 weight computed off the CPU; ``fixed_grad`` is the gradient its backward
+    hands it (one tensor shared by every layer, so that a model of many layers holds one)."""
+
+    def __init__(self, fixed_grad: torch.Tensor) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(GPULIKE_SHAPE) * 0.02)
-        self.register_buffer("fixed_grad", torch.randn(GPULIKE_SHAPE) * 1e-3, persistent=False)
+        self.register_buffer("fixed_grad", fixed_grad, persistent=False)
 
     def forward(self, x: torch.Tensor) -> Any:
         return _OffCPU.apply(x, self.weight, self.fixed_grad)
 
 
-def build_gpulike() -> torch.nn.Sequential:
-    """``GPULIKE_LAYERS`` layers of a 2048 x 4096 fp32 weight (100.7M params), each spending
-    its forward and backward time off the CPU, as a model computed on a GPU does."""
-    return torch.nn.Sequential(*(OffCPULayer() for _ in range(GPULIKE_LAYERS)))
+def build_gpulike(layers: int = GPULIKE_LAYERS) -> torch.nn.Sequential:
+    """``layers`` layers of a 2048 x 4096 fp32 weight (8.4M params each: 100.7M at 12, 1.31B
+    at 156), each spending its forward and backward time off the CPU, as a model computed on a
+    GPU does."""
+    fixed_grad = torch.randn(GPULIKE_SHAPE) * 1e-3
+    return torch.nn.Sequential(*(OffCPULayer(fixed_grad) for _ in range(layers)))
 
 
 class Workload:
@@ -95,7 +101,7 @@ class Workload:
         self.clip: float | None = getattr(args, "clip", None)
         self.gpt2 = args.model == "gpt2"
         if args.model == "gpulike":
-            self.model = build_gpulike()
+            self.model = build_gpulike(args.gpulike_layers)
         else:
             self.model = (
                 build_gpt2(args.gpt2_layers, args.gpt2_width)
@@ -365,6 +371,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--model", choices=["mlp", "gpt2", "gpulike"], default="mlp")
     p.add_argument("--gpt2-layers", type=int, default=12)
+    p.add_argument("--gpulike-layers", type=int, default=GPULIKE_LAYERS)
     p.add_argument("--gpt2-width", type=int, default=768)
     p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ before each step")
     args = p.parse_args()

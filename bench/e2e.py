@@ -183,10 +183,10 @@ TARGET_VS_COMPUTE = 1.10
 TARGET_BACKWARD_VS_COMPUTE = 1.05
 
 
-def _state_bytes(width: int, depth: int, model: str = "mlp") -> int:
+def _state_bytes(width: int, depth: int, model: str = "mlp", gpulike_layers: int = 12) -> int:
     """AdamW's exp_avg + exp_avg_sq of the model, fp32."""
     if model == "gpulike":
-        return 2 * 4 * GPULIKE_PARAMS
+        return 2 * 4 * GPULIKE_LAYER_PARAMS * gpulike_layers
     params = depth * (width * width + width) + width + 1
     return 2 * 4 * params
 
@@ -200,8 +200,8 @@ def gpt2_params(layers: int, width: int) -> int:
 
 #: GPT-2's vocabulary.
 GPT2_VOCAB = 50257
-#: The GPU-like model (bench/_e2e_child.py build_gpulike): 12 weights of 2048 x 4096.
-GPULIKE_PARAMS = 12 * 2048 * 4096
+#: The GPU-like model's layer (bench/_e2e_child.py build_gpulike): a weight of 2048 x 4096.
+GPULIKE_LAYER_PARAMS = 2048 * 4096
 
 
 def _free_port() -> int:
@@ -239,6 +239,7 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     common = ["--dir", str(swap_dir), "--iters", str(args.iters)]
     common += ["--width", str(args.width), "--depth", str(args.depth), "--model", args.model]
     common += ["--gpt2-layers", str(args.gpt2_layers), "--gpt2-width", str(args.gpt2_width)]
+    common += ["--gpulike-layers", str(args.gpulike_layers)]
     if args.clip is not None:
         common += ["--clip", str(args.clip)]
     if config in RAM:
@@ -317,7 +318,7 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> dict[
     nbytes = (
         2 * 4 * gpt2_params(args.gpt2_layers, args.gpt2_width)
         if args.model == "gpt2"
-        else _state_bytes(args.width, args.depth, args.model)
+        else _state_bytes(args.width, args.depth, args.model, args.gpulike_layers)
     )
     for round_ in range(args.rounds):
         bandwidth = fio_bandwidth(folder, nbytes)
@@ -626,10 +627,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpt2-layers", type=int, default=12, help="--model gpt2: layers")
     p.add_argument("--gpt2-width", type=int, default=768, help="--model gpt2: model width")
     p.add_argument(
+        "--gpulike-layers", type=int, default=12,
+        help="--model gpulike: layers of 8.4M params (12: 100.7M; 156: 1.31B)",
+    )  # fmt: skip
+    p.add_argument(
         "--model", choices=["mlp", "gpt2", "gpulike"], default="mlp",
         help="mlp: the synthetic model above; gpt2: GPT-2 124M (transformers, random init), "
-        "batch 4 x 64 tokens; gpulike: 12 fp32 weights of 2048 x 4096 whose forward and "
-        "backward wait 40 and 80 ms a layer off the CPU, as on a GPU (adds the 'compute' run: "
+        "batch 4 x 64 tokens; gpulike: 12 fp32 weights of 2048 x 4096 (--gpulike-layers) "
+        "whose forward and backward wait 40 and 80 ms a layer off the CPU, as on a GPU (adds "
+        "the 'compute' run: "
         "forward and backward alone)",
     )  # fmt: skip
     args = p.parse_args(argv)
