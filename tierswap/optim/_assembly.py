@@ -116,7 +116,10 @@ class Assembly(Checkpoints):
         self._requests = persist.Requests()  # armed by redirect_state_dict, hint_snapshot_folder
         self._inner_groups = inner.param_groups
         self._inners: list[torch.optim.Optimizer] = []  # the torch optimizer of each group
-        self.tier = DEVICE if config.state_device_bytes > 0 else HOST
+        #: Device bytes for optimizer state (the rest of ``device_budget`` holds the streamed
+        #: parameters): set once, so that parameters and state never outgrow the budget.
+        self._state_device = _state_device_bytes(config, self.param_groups)
+        self.tier = DEVICE if self._state_device > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
         # recording stand-in here to check the GPU path's ordering without a GPU.
@@ -152,7 +155,8 @@ class Assembly(Checkpoints):
         """Stream ``model``'s parameters (``offload_parameters``) from now on."""
         slot_of = self._layout.slot_of
         meta_born = [slot_of[id(param)].index for param in self._unborn.params]
-        self._stream = ParameterStream(self._parts, model, meta_born)
+        budget = self._config.device_bytes - self._state_device
+        self._stream = ParameterStream(self._parts, model, meta_born, budget=budget)
         self._stream.start()
         # streamed parameters and gradients must leave memory when freed; released by
         # close(), or when the optimizer is garbage-collected without it
@@ -168,7 +172,7 @@ class Assembly(Checkpoints):
             durable=config.durable,
             resume=config.resume,
             chunk_bytes=layout.chunk_bytes,
-            device_budget=config.state_device_bytes,
+            device_budget=self._state_device,
             device=self.compute_device,
             transfers=self._transfers,
             work_on_device=self.tier == DEVICE,
@@ -233,7 +237,7 @@ class Assembly(Checkpoints):
         return plan_layout(
             slots,
             host_budget=host_budget,
-            device_budget=config.state_device_bytes,
+            device_budget=self._state_device,
             policy=config.policy,
             chunk_bytes=chunk_bytes,
             forward_order=config.overlap == "forward",
@@ -274,6 +278,26 @@ def _commit_every(every: int | str) -> int | str:
     commit the same steps (a resume checks it), and ``"auto"`` times each rank's own commits,
     so there it commits every step."""
     return 1 if every == "auto" and world()[1] > 1 else every
+
+
+def _state_device_bytes(config: SwapConfig, groups: list[dict[str, Any]]) -> int:
+    """The bytes of ``device_budget`` that hold optimizer state: all of it; with
+    ``offload_parameters`` (the budget keeps the streamed parameters between uses), what the
+    groups' parameters leave of it where the device tier is host memory (no GPU), so that
+    resident state spares the disk what parameters do not use; on a GPU none (optimizer
+    state beside streamed parameters in device memory is not built)."""
+    if not config.offload_parameters:
+        return config.device_bytes
+    if not _device_tier_in_ram():
+        return 0
+    params = {id(p): p for group in groups for p in group["params"]}.values()
+    values = sum(p.numel() * p.element_size() for p in params)
+    return max(config.device_bytes - values, 0)
+
+
+def _device_tier_in_ram() -> bool:
+    """Whether the device tier is host memory: a machine without a GPU."""
+    return not torch.cuda.is_available()
 
 
 def _compute_device(tier: str) -> torch.device:

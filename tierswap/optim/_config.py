@@ -139,9 +139,3 @@ class SwapConfig:
     def device_bytes(self) -> int:
         """``device_budget`` in bytes."""
         return parse_size(self.device_budget, name="device_budget")
-
-    @property
-    def state_device_bytes(self) -> int:
-        """The device bytes that hold optimizer state: ``device_budget``, or none when it
-        holds the streamed parameters (``offload_parameters``)."""
-        return 0 if self.offload_parameters else self.device_bytes

@@ -140,7 +140,9 @@ class SwapOptimizer(Assembly):
         updates them there.
         Gradients go to the swap space as backward finalizes them (``param.grad`` holds a
         stand-in, on which torch's ``clip_grad_norm_`` works); ``device_budget`` then keeps
-        the parameters used soonest between uses, instead of optimizer state.
+        the parameters used soonest between uses; on a machine without a GPU (where the
+        device tier is RAM) the room all of them leave holds optimizer state, as without
+        ``offload_parameters``.
         ``model.state_dict()`` reads them; :meth:`close` gives them back to the model (those
         built on the meta device go back to it, for a model too large for memory). Bitwise
         equal to the plain optimizer. With ``master="remainder"`` bf16 parameters stream at 2
@@ -390,8 +392,10 @@ class SwapOptimizer(Assembly):
         (``overlap``, and with ``"auto"`` or ``"forward"`` whether it speculates, and the slices
         stepped in backward, redone and stepped after backward;
         :class:`~tierswap.optim.step.Speculation`).
-        ``"parameters"``, with ``offload_parameters``: parameters streamed, bytes kept between
-        uses, read and copied, gradient bytes kept, bytes holding values now and at most."""
+        ``"parameters"``, with ``offload_parameters``: parameters streamed, the bytes of
+        ``device_budget`` they may hold (``"budget"``: the rest is the device tier's), bytes kept
+        between uses, read and copied, gradient bytes kept, bytes holding values now and at
+        most."""
         stats = self._backend.stats()
         stats["schedule"] = {"overlap": self._config.overlap}
         if self._stepper.speculative:

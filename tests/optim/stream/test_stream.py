@@ -10,6 +10,7 @@ import copy
 import itertools
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.stream import OffloadedGradient
+from tierswap.tiers import DEVICE
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
 #: Random schedules the lock-step test runs (two unless slow tests run; more for a soak:
@@ -44,6 +46,18 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.gelu(self.norm(self.inp(x)))
         return self.out(torch.tanh(self.mid(h))) * self.scale
+
+
+def _values_bytes(make: Callable[[], torch.nn.Module]) -> int:
+    """The bytes of the parameters of ``make()``: a ``device_budget`` that keeps every one
+    between uses and leaves nothing to optimizer state (what they leave of a larger budget
+    holds state, on a machine without a GPU)."""
+    with torch.device("meta"):
+        return sum(p.numel() * p.element_size() for p in make().parameters())
+
+
+#: A device budget that keeps all of Net's parameters and holds no optimizer state.
+ALL_KEPT = _values_bytes(Net)
 
 
 def _pair(seed: int = 0) -> tuple[Net, Net]:
@@ -663,7 +677,60 @@ def test_device_budget_keeps_the_parameters_used_next(tmp_path: Path, device_bud
     assert_same_params(ref, model)
 
 
-@pytest.mark.parametrize("device_budget", [0, 1 << 20], ids=["streamed", "kept"])
+@pytest.mark.parametrize("overlap", [None, "backward"])
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_resident_slices_beside_kept_parameters_start_from_the_newest_masters(
+    tmp_path: Path, overlap: str | None, tier: str
+) -> None:
+    """Slices resident in host memory (a host budget that holds the state) or in what the
+    parameters leave of ``device_budget``, beside parameters kept between uses, under
+    schedules whose first step lets the kept masters lag (no commit): a resident slice reads
+    its master once, on its first resident pass, and that must be the step's newest, not the
+    stored one from before it. Bitwise torch's AdamW; it used to lose the first step."""
+    settings: dict[str, object] = {
+        "host": {"host_budget": None, "device_budget": ALL_KEPT},
+        "device": {"host_budget": 20480, "device_budget": ALL_KEPT + (1 << 20)},
+    }[tier]
+    ref, model, plain, opt = _streaming(tmp_path, overlap=overlap, commit_every=0, **settings)
+    assert set(opt.placement.values()) == {tier}
+    for step in range(4):
+        _train(ref, plain, step)
+        _train(model, opt, step)
+        _same_state_dicts(ref, model)
+    assert opt.tier_stats()["parameters"]["kept_bytes"] == ALL_KEPT  # all kept between uses
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_the_device_budget_beyond_the_parameters_holds_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a GPU (the device tier is RAM) what the streamed parameters leave of
+    ``device_budget`` holds resident slices: parameters and state share the budget, never
+    more. On a GPU the device budget holds the parameters alone (state beside them there is
+    not built)."""
+    spare = 32768
+    ref, model, plain, opt = _streaming(tmp_path / "cpu", device_budget=ALL_KEPT + spare)
+    stats = opt.tier_stats()
+    assert stats["parameters"]["budget"] == ALL_KEPT
+    assert stats["device"]["budget"] == spare
+    assert DEVICE in opt.placement.values()
+    for step in range(3):
+        _train(ref, plain, step, 0.5)
+        _train(model, opt, step, 0.5)
+        stats = opt.tier_stats()
+        assert stats["device"]["peak"] <= spare
+        assert stats["parameters"]["peak_bytes"] <= ALL_KEPT
+    _same_state_dicts(ref, model)
+    opt.close()
+    monkeypatch.setattr(_assembly, "_device_tier_in_ram", lambda: False)  # as with a GPU
+    _, _, _, on_gpu = _streaming(tmp_path / "gpu", device_budget=ALL_KEPT + spare)
+    assert on_gpu.tier_stats()["parameters"]["budget"] == ALL_KEPT + spare
+    assert DEVICE not in on_gpu.placement.values()
+    on_gpu.close()
+
+
+@pytest.mark.parametrize("device_budget", [0, ALL_KEPT], ids=["streamed", "kept"])
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_overlap_backward_steps_in_backward_without_keeping_the_gradients(
     tmp_path: Path, device_budget: int, accumulation: int
@@ -714,7 +781,7 @@ def test_kept_parameters_are_the_masters_their_steps_start_from(
     the master from it instead of reading it. A step then reads the moments (and, where
     clipping makes it redo the slices or step after backward, the kept gradients), bitwise
     as in memory."""
-    ref, model, plain, opt = _streaming(tmp_path, device_budget=1 << 20)
+    ref, model, plain, opt = _streaming(tmp_path, device_budget=ALL_KEPT)
     numel = sum(p.numel() for p in model.parameters())
     read, fetched = [], []
     for step in range(5):
@@ -755,7 +822,7 @@ def test_a_slice_stepping_in_backward_takes_its_master_from_the_parameter_in_use
 
 
 @pytest.mark.parametrize("overlap", ["backward", None])
-@pytest.mark.parametrize("device_budget", [1 << 20, 17_000], ids=["all-kept", "some-kept"])
+@pytest.mark.parametrize("device_budget", [ALL_KEPT, 17_000], ids=["all-kept", "some-kept"])
 def test_kept_masters_lag_until_a_commit_without_rollbacks(
     tmp_path: Path, overlap: str | None, device_budget: int
 ) -> None:
@@ -775,7 +842,7 @@ def test_kept_masters_lag_until_a_commit_without_rollbacks(
         opt._backend.pipeline.drain()  # the last writes of a step end during the next one
         written.append(opt.tier_stats()["nvme"]["bytes_written"])
     needed = 2 * 4 * numel + (4 * numel if overlap is None else 0)  # moments (+ gradients)
-    if device_budget == 1 << 20:  # every master lags: none is written
+    if device_budget == ALL_KEPT:  # every master lags: none is written
         assert needed <= written[-1] - written[-2] < needed + 4 * numel
     lagging = opt._parts.state.unwritten_masters
     assert any(lagging.values())
@@ -803,7 +870,7 @@ def test_kept_masters_lag_until_a_commit_without_rollbacks(
 def test_a_commit_that_fails_leaves_the_masters_lagging_for_the_next(tmp_path: Path) -> None:
     """A commit whose writes fail raises and keeps the masters it was writing marked as
     lagging: the next commit writes them again, and a resume starts from its values."""
-    settings = {"device_budget": 1 << 20, "overlap": "backward", "commit_every": 0}
+    settings = {"device_budget": ALL_KEPT, "overlap": "backward", "commit_every": 0}
     ref, model, plain, opt = _streaming(tmp_path, host_budget=49152, **settings)
     for step in range(3):
         for m, o in ((ref, plain), (model, opt)):

@@ -124,9 +124,10 @@ def slice_job(
     # a resident slice keeps the regions of its gradients, into which they are kept
     in_memory = () if tier is not None else grads_held
     reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=in_memory)
-    # a master the parameter holds is filled from it, not read (not a resident slice's: it
-    # holds the master between steps)
-    unread = () if tier is not None else valued_masters(piece, live)
+    # a master the parameter holds is filled from it, not read; not a resident slice's: it
+    # holds the master between steps, so the master it reads first (on its first resident
+    # pass) must be the stored one, which a first step that let it lag would have left stale
+    unread = () if piece.index in placement else valued_masters(piece, live)
     return Job(
         piece.index,
         tuple(region for region in reads if region not in unread),

@@ -28,7 +28,8 @@ takes the gradient from memory instead (:meth:`ParameterStream.grad_final` retur
 (:meth:`ParameterStream.grad_done`), which takes the master from its values, not the store.
 Backward passes that accumulate add to the kept gradient, as torch adds into ``param.grad``.
 
-``device_budget`` holds the parameters in use and keeps others between uses: when some are
+``device_budget`` (on a machine without a GPU, less the room that the parameters leave to the
+optimizer's state) holds the parameters in use and keeps others between uses: when some are
 done with, those idle ones whose next use in the recorded order comes soonest keep their
 values (Belady, within what the budget leaves beside those in use; those that fit while the
 first iteration records the order), and a read frees kept ones, those used latest first, until
@@ -98,11 +99,18 @@ class ParameterStream:
 
     :meth:`start` frees them and hooks the modules; :meth:`close` removes the hooks and reads
     every parameter back. Called from the training thread (forward, ``step()``) and from the
-    thread autograd runs backward on, one at a time.
+    thread autograd runs backward on, one at a time. ``budget``: the bytes of
+    ``device_budget`` for parameters (all of it on a GPU; without one, what the optimizer's
+    state does not take of it).
     """
 
     def __init__(
-        self, parts: OptimizerParts, model: torch.nn.Module, meta_born: Iterable[int] = ()
+        self,
+        parts: OptimizerParts,
+        model: torch.nn.Module,
+        meta_born: Iterable[int] = (),
+        *,
+        budget: int,
     ) -> None:
         self.parts = parts
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
@@ -126,8 +134,8 @@ class ParameterStream:
         self._ahead: set[Any] = set()  # names of the jobs read ahead
         self._handles: list[Any] = []
         self._accumulating: set[int] = set()  # slots whose kept gradient this pass adds to
-        #: ``device_budget``: the bytes of parameters kept between uses.
-        self._budget = parts.config.device_bytes
+        #: The bytes of ``device_budget`` for parameters in use and kept between uses.
+        self._budget = budget
         self._kept: set[int] = set()  # slots whose parameter keeps its values between uses
         self._uses: dict[int, list[int]] = {}  # slot -> its positions in the recorded order
         #: The 2-norm of each kept gradient (for ``clip_grad_norm_``), by slot index.
@@ -453,10 +461,12 @@ class ParameterStream:
         self._free(list(self._live), keep_edits=False)
 
     def stats(self) -> dict[str, Any]:
-        """What streaming did: parameters streamed, bytes read from the store and copied from
-        resident slices since the start, bytes held now and at most."""
+        """What streaming did: parameters streamed, the bytes of ``device_budget`` they may
+        hold, bytes read from the store and copied from resident slices since the start, bytes
+        held now and at most."""
         return {
             "streamed": len(self._streamed()),
+            "budget": self._budget,
             "kept_bytes": sum(self._bytes(i) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
