@@ -239,6 +239,10 @@ def run_tierswap(args: argparse.Namespace) -> dict[str, Any]:
     work = Workload(args)
     options = json.loads(args.options)
     streamed = options.get("offload_parameters", False)  # the model itself: its hooks stream
+    if options.get("device_budget") == "params":  # every parameter kept, no state beside them
+        options["device_budget"] = sum(
+            p.numel() * p.element_size() for p in work.model.parameters()
+        )
     opt = tierswap.SwapOptimizer(
         work.model if streamed else work.model.parameters(), torch.optim.AdamW, lr=LR,
         weight_decay=0, swap_dir=[args.dir, *args.also_dir] if args.also_dir else args.dir,

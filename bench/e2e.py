@@ -25,8 +25,9 @@ rounds interleaved so that machine load hits them alike; the figure is the media
 the parameter-streaming comparison needs (about 1.3B: 24 layers of 2048). At that size
 DeepSpeed's ds-param runs only with its parameters in RAM: TIERSWAP_DS_MAX_IN_CPU=2e9 (its
 max_in_cpu, in elements) keeps them all there, as at 100M its default does; the tierswap mode
-that keeps them in RAM too is stream-ram (device_budget 8 GiB). --compute adds the 'compute'
-run (forward and backward in RAM, no optimizer) to any model.
+that keeps them in RAM too is stream-ram (device_budget: the parameters' bytes; --device-budget
+gives it more, whose spare room, without a GPU, holds optimizer state). --compute adds the
+'compute' run (forward and backward in RAM, no optimizer) to any model.
 
 The I/O bound is the bytes tierswap's default mode reads and writes per iteration (its
 ``tier_stats()``) at fio's sequential O_DIRECT bandwidth on the same folder (tierswap's shared
@@ -87,11 +88,14 @@ from tierswap.config import format_size, parse_size  # noqa: E402
 
 CHILD = Path(__file__).resolve().with_name("_e2e_child.py")
 
-#: Every parameter kept in RAM between uses (8 GiB: up to 2B fp32), torch's fused AdamW: the
-#: base of the ``stream-ram-*`` modes below.
+#: Every parameter kept in RAM between uses, torch's fused AdamW: the base of the
+#: ``stream-ram-*`` modes below. A device budget of ``"params"`` is the model's parameter
+#: bytes (the child computes it): it keeps every parameter and holds no optimizer state,
+#: unless --device-budget gives a larger one (then, without a GPU, what the parameters leave
+#: of it holds resident slices).
 STREAM_RAM_FUSED: dict[str, Any] = {
     "offload_parameters": True,
-    "device_budget": "8GiB",
+    "device_budget": "params",
     "fused": True,
 }
 
@@ -127,9 +131,9 @@ MODES: dict[str, dict[str, Any]] = {
     "stream-fused": {"offload_parameters": True, "fused": True},
     # ... with 256 MiB of parameters kept between uses (device_budget: Belady on their order)
     "stream-kept": {"offload_parameters": True, "device_budget": "256MiB"},
-    # ... with room for every parameter between uses (8 GiB: up to 2B fp32), as DeepSpeed's
-    # offload_param keeps them in RAM up to its max_in_cpu: only the step's state moves
-    "stream-ram": {"offload_parameters": True, "device_budget": "8GiB"},
+    # ... with room for every parameter between uses ("params": STREAM_RAM_FUSED), as
+    # DeepSpeed's offload_param keeps them in RAM up to its max_in_cpu: only the state moves
+    "stream-ram": {"offload_parameters": True, "device_budget": "params"},
     "stream-ram-fused": STREAM_RAM_FUSED,
     # ... stepping in backward unchecked (overlap="backward": no clipping, no GradScaler), so
     # the gradients never go to the swap folder, as DeepSpeed runs here (without clipping)
@@ -248,7 +252,10 @@ def _child_command(args: argparse.Namespace, config: str, swap_dir: Path) -> tup
     if config in MODES:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(MODE_ENV.get(config, {}))
-        options = ["--options", json.dumps(MODES[config]), "--host-budget", str(args.host_budget)]
+        mode = dict(MODES[config])
+        if args.device_budget is not None and mode.get("device_budget") == "params":
+            mode["device_budget"] = args.device_budget
+        options = ["--options", json.dumps(mode), "--host-budget", str(args.host_budget)]
         for folder in _swap_dirs(args, config, swap_dir)[1:]:
             options += ["--also-dir", str(folder)]
         return [sys.executable, str(CHILD), "--config", "tierswap", *options, *common], env
@@ -603,6 +610,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="runs of every configuration")
     p.add_argument("--iters", type=int, default=6, help="iterations per run; 2..iters count")
     p.add_argument("--host-budget", type=parse_size, default="128MiB")
+    p.add_argument(
+        "--device-budget", type=parse_size, default=None,
+        help="device_budget of the stream-ram modes (default: their model's parameter bytes); "
+        "without a GPU what the parameters leave of it holds optimizer state",
+    )  # fmt: skip
     p.add_argument("--dir", type=Path, default=None, help="folder for swap files (default: tmp)")
     p.add_argument(
         "--also-dir", type=Path, action="append", default=[], metavar="DIR",
