@@ -290,8 +290,8 @@ def _state_device_bytes(config: SwapConfig, groups: list[dict[str, Any]]) -> int
         return config.device_bytes
     if not _device_tier_in_ram():
         return 0
-    params = {id(p): p for group in groups for p in group["params"]}.values()
-    values = sum(p.numel() * p.element_size() for p in params)
+    params: dict[int, torch.Tensor] = {id(p): p for group in groups for p in group["params"]}
+    values = sum(p.numel() * p.element_size() for p in params.values())
     return max(config.device_bytes - values, 0)
 
 
