@@ -730,6 +730,32 @@ def test_the_device_budget_beyond_the_parameters_holds_optimizer_state(
     on_gpu.close()
 
 
+def test_gradients_that_stay_in_memory_take_no_room_in_resident_slices(tmp_path: Path) -> None:
+    """``overlap="backward"`` with one backward pass a step: each gradient goes from backward
+    to its slices' step in memory, never through the swap space, so a slice resident between
+    steps holds its state and master alone, and the same budget keeps more of them resident
+    than when passes accumulate (their gradients wait in the swap space). Bitwise torch's
+    AdamW, within the budgets."""
+    spare = 49152  # the device budget beyond the parameters: the tier of resident slices
+    settings = {"overlap": "backward", "device_budget": ALL_KEPT + spare}
+    ref, model, plain, opt = _streaming(tmp_path / "one", **settings)
+    _, _, _, accumulating = _streaming(tmp_path / "two", accumulation_steps=2, **settings)
+    held = [sum(p.held_bytes for p in o.slices) for o in (opt, accumulating)]
+    numel = sum(p.numel() for p in model.parameters())
+    assert held[0] <= held[1] - 4 * numel  # no gradient buffers (4 bytes an fp32 element)
+    assert len(opt.placement) > len(accumulating.placement)
+    accumulating.close()
+    for step in range(4):
+        _train(ref, plain, step)
+        _train(model, opt, step)
+        _same_state_dicts(ref, model)
+        stats = opt.tier_stats()
+        assert stats["device"]["peak"] <= spare
+        assert stats["host"]["peak"] <= 20480
+    opt.close()
+    assert_same_params(ref, model)
+
+
 @pytest.mark.parametrize("device_budget", [0, ALL_KEPT], ids=["streamed", "kept"])
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_overlap_backward_steps_in_backward_without_keeping_the_gradients(

@@ -107,6 +107,10 @@ class Slot:
     remainder: bool = False
     state_names: tuple[str, ...] = ()  # the names of the per-element state, as probed
     streamed: bool = False  # offload_parameters: the master is the parameter's only copy
+    #: A streamed parameter's gradient goes from backward to its slices' step in memory, never
+    #: through the swap space (``overlap="backward"``, one backward pass a step): no slice
+    #: reads it there, and a resident slice holds no buffer for it.
+    grads_in_memory: bool = False
 
     @property
     def whole(self) -> bool:
@@ -244,12 +248,20 @@ class Slot:
 
     @property
     def keeps_grad(self) -> bool:
-        """Whether the gradient lives in the swap space (a streamed trainable parameter)."""
+        """Whether the gradient may live in the swap space (a streamed trainable parameter):
+        it has an array there."""
         return self.streamed and self.param.requires_grad
 
+    @property
+    def steps_from_kept_grad(self) -> bool:
+        """Whether a step reads the gradient from the swap space: one that :attr:`keeps_grad`,
+        unless every step takes it from memory (:attr:`grads_in_memory`)."""
+        return self.keeps_grad and not self.grads_in_memory
+
     def grad_buffers(self, numel: int) -> list[int]:
-        """Bytes of the buffer a segment of ``numel`` elements reads its kept gradient into."""
-        return [self.param.dtype.itemsize * numel] if self.keeps_grad else []
+        """Bytes of the buffer a segment of ``numel`` elements reads its kept gradient into
+        (a resident slice holds it between steps)."""
+        return [self.param.dtype.itemsize * numel] if self.steps_from_kept_grad else []
 
     @property
     def state_bytes(self) -> int:

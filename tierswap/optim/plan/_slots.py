@@ -59,10 +59,17 @@ def group_slots(
                 tuple(state.values()), name, key, state_names=tuple(state),
                 whole_state=whole, precision=config.state_precision,
                 remainder=config.master == "remainder" and param.dtype == torch.bfloat16,
-                streamed=streamed,
+                streamed=streamed, grads_in_memory=streamed and _grads_in_memory(config),
             )
         )  # fmt: skip
     return slots
+
+
+def _grads_in_memory(config: SwapConfig) -> bool:
+    """Whether streamed gradients go from backward to the step in memory alone: stepping in
+    backward unchecked, one backward pass a step (passes that accumulate keep them in the
+    swap space between them; a checked schedule keeps them to check and redo)."""
+    return config.overlap == "backward" and config.accumulation_steps == 1
 
 
 def check_streamable(param: torch.Tensor, name: str | None) -> None:

@@ -105,7 +105,8 @@ def slice_job(
     (:attr:`~tierswap.optim.plan.Layout.held_scales`) the 8-bit scales of existing state
     are neither read nor counted: the work views them in :func:`scales_job`'s tensors
     (:func:`scales_views`). The kept gradients of the slots in ``grads_held`` are not read (its
-    bytes still count them): the step takes them from memory
+    bytes still count them, unless no step ever reads them from the swap space:
+    :attr:`~tierswap.optim.plan.Slot.grads_in_memory`): the step takes them from memory
     (:attr:`~tierswap.optim.plan.StepPlan.held`). ``live``: slots whose parameters will
     hold their values when the job runs, though they may not yet (:func:`valued_masters`).
 
@@ -179,7 +180,7 @@ def slice_reads(
             reads.append(_region(slot.master_key, seg))
         if slot.streamed and slot.remainder:  # the parameter's half of the master
             reads.append(_region(slot.param_key, seg))
-        if kept_grads and slot.keeps_grad and slot.index not in grads_held:
+        if kept_grads and slot.steps_from_kept_grad and slot.index not in grads_held:
             reads.append(_region(slot.grad_key, seg))
     return tuple(reads)
 
