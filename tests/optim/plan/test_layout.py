@@ -93,3 +93,52 @@ def test_a_gpu_budget_that_holds_the_state_keeps_every_slice(share: float) -> No
     )  # fmt: skip
     on_device = [piece for piece in layout.slices if layout.placement.get(piece.index) == "device"]
     assert (len(on_device) == len(layout.slices)) == (share == 1.0)
+
+
+def _longest_run(flags: list[bool], value: bool) -> int:
+    longest = run = 0
+    for flag in flags:
+        run = run + 1 if flag == value else 0
+        longest = max(longest, run)
+    return longest
+
+
+@pytest.mark.parametrize(("host", "device"), [(0.5, 0.0), (0.25, 0.25), (0.2, 0.0)])
+def test_resident_slices_spread_over_the_order_slices_step_in(
+    monkeypatch: pytest.MonkeyPatch, host: float, device: float
+) -> None:
+    """Belady on the cyclic schedule keeps the slices that step first; the layout spreads
+    the same bytes over the step's order, each tier's within its share, so that the disk
+    never idles through a run of resident slices (in backward the step cannot reorder them)."""
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", FLOOR)
+    slots = _slots(16)
+    state = _state(slots)
+    budgets = {"host_budget": int(host * state), "device_budget": int(device * state)}
+    layout = _layout.plan_layout(slots, policy="lookahead", **budgets)
+    monkeypatch.setattr(_layout, "_spread", lambda order, placement, *_: placement)
+    prefix = _layout.plan_layout(slots, policy="lookahead", **budgets)
+    resident = [piece.index in layout.placement for piece in layout.slices]
+    assert _longest_run([p.index in prefix.placement for p in prefix.slices], True) > 4
+    kept, streamed = resident.count(True), resident.count(False)
+    assert _longest_run(resident, True) <= -(-kept // streamed) + 1
+    assert _longest_run(resident, False) <= -(-streamed // kept) + 1
+    largest = max(piece.held_bytes for piece in layout.slices)
+    for tier in ("device", "host"):
+        spread, policy = (
+            sum(p.held_bytes for p in x.slices if x.placement.get(p.index) == tier)
+            for x in (layout, prefix)
+        )
+        assert policy - largest <= spread <= policy
+
+
+def test_a_device_tier_in_ram_widens_the_streaming_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device tier is RAM (slices step on the CPU), the slices in flight get a
+    tenth of both budgets, not of the host budget alone: beside a device tier that holds most
+    of the resident state, a tenth of the host budget left the disk too few slices in flight."""
+    monkeypatch.setattr(_layout, "STREAM_FLOOR", FLOOR)
+    slots = _slots(16)
+    state = _state(slots)
+    host, device = state // 10, state // 3
+    layout = _layout.plan_layout(slots, host_budget=host, device_budget=device, policy="lookahead")
+    on_host = sum(p.held_bytes for p in layout.slices if layout.placement.get(p.index) == "host")
+    assert 0 < on_host <= host - (host + device) // 10

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 from typing import cast
 
-from tierswap.engine import EvictionPolicy, place
+from tierswap.engine import EvictionPolicy, LookaheadPolicy, place
 from tierswap.optim.plan._partition import (
     Slice,
     Slot,
@@ -110,13 +111,14 @@ def plan_layout(
 
     ``host_budget=None`` sizes the host tier to the whole state. When the state fits it, the
     slices are large; else each is about a ``STREAM_SLICES``-th of the streaming part of the
-    budget (a tenth, at least a floor: :func:`_streaming_part`), and the 8-bit scales are held
+    budgets in RAM, at least a floor: :func:`_streaming_part`), and the 8-bit scales are held
     in host memory when they are small beside the budget and the step runs on the CPU
     (:attr:`Layout.held_scales`, :func:`_scales_to_hold`). The policy then chooses, on the
     step's cyclic schedule (forward order with ``forward_order``), which slices stay resident:
     in the device tier first (``device_budget``), then in host memory (what the host budget
     has beyond the streaming part and the held scales); the rest streams from disk
-    (:func:`tierswap.engine.place`). ``chunk_bytes`` keeps a chunking already stored
+    (:func:`tierswap.engine.place`); the lookahead policy's choice is then spread over the
+    step's order (:func:`_spread`). ``chunk_bytes`` keeps a chunking already stored
     (``None``: choose one). ``device_compute``: slices step on a GPU, so streamed ones pass
     through device memory too. Raises ``ConfigError`` when a slice does not fit a budget.
 
@@ -133,7 +135,7 @@ def plan_layout(
         for scales in _scales_to_hold(slots, budget, device_compute):
             sizes = _Sizes(device_compute, scales > 0)
             room = budget - scales
-            stream = _streaming_part(room, device_budget, state - scales)
+            stream = _streaming_part(room, device_budget, state - scales, device_compute)
             share = 1 if device_compute else _work_share(slots)
             target = min(max(int(stream * share), 1), MAX_SLICE_BYTES)
             chunk = chunk_bytes or _chunk_for(chunk_target(slots, target))
@@ -153,7 +155,42 @@ def plan_layout(
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
     placed = place(policy, schedule, {str(p.index): sizes.held(p) for p in slices}, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
+    if policy == "lookahead" or isinstance(policy, LookaheadPolicy):  # (a user's: as it chose)
+        placement = _spread(order, placement, sizes.held, capacities)
     return Layout(list(slots), slices, placement, chunk, budget, sizes.scales(slots))
+
+
+def _spread(
+    order: list[Slice],
+    placement: dict[int, TierName],
+    held: Callable[[Slice], int],
+    capacities: dict[str, int],
+) -> dict[int, TierName]:
+    """``placement`` with its resident bytes spread evenly over the step's ``order`` instead
+    of where the lookahead policy put them (Belady on a cycle keeps a prefix: the slices that
+    step first). Each slice steps once a cycle, so any slices of the same bytes save the same
+    disk traffic; spread out, the disk keeps working while a resident slice steps, where the
+    order is not the step's to choose (slices stepping in backward, as each gradient becomes
+    final). Each tier holds about what the policy gave it (tiers in ``capacities``' order,
+    device first), never more than its capacity."""
+    quota = {
+        tier: sum(held(p) for p in order if placement.get(p.index) == tier) for tier in capacities
+    }
+    chosen, pool = sum(quota.values()), sum(map(held, order))
+    room = dict(capacities)
+    spread: dict[int, TierName] = {}
+    credit = 0.0
+    for piece in order:  # a slice becomes resident once its share of credit covers it
+        size = held(piece)
+        credit += size * chosen / pool if pool else 0.0
+        tier = next((t for t in quota if quota[t] > 0 and size <= room[t]), None)
+        if size > credit or tier is None:
+            continue
+        spread[piece.index] = cast(TierName, tier)
+        credit -= size
+        quota[tier] -= size
+        room[tier] -= size
+    return spread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +232,12 @@ def _scales_to_hold(slots: list[Slot], budget: int, device_compute: bool) -> lis
     return [scales, 0]
 
 
-def _streaming_part(budget: int, device_budget: int, state: int) -> int:
-    """Host bytes for the slices in flight: a tenth of ``budget``, at least a floor (or the
-    whole budget when it is smaller) so that slices stay large enough for the disk.
+def _streaming_part(budget: int, device_budget: int, state: int, device_compute: bool) -> int:
+    """Host bytes for the slices in flight: a tenth of the budgets in host memory (``budget``,
+    and ``device_budget`` unless slices step on a GPU, whose memory it then is), within
+    ``budget``, at least a floor (or the whole budget when it is smaller) so that slices
+    stay large enough for the disk. A tenth of the host budget alone, beside a device tier in
+    RAM that holds much more, left too few slices in flight to keep the disk busy.
 
     The floor buys large slices with residency; the disk traffic it allows is kept within
     1.05 x (state - 0.9 x budgets), ``state`` being the slices' held bytes. Where the budgets
@@ -217,7 +257,8 @@ def _streaming_part(budget: int, device_budget: int, state: int) -> int:
     elif state - budgets >= 4 * budgets:
         allowed = (state // 20 + budgets * 55 // 1000) * 4 // 5
         floor = max(STREAM_FLOOR, min(allowed, STREAM_CEILING))
-    return max(budget // 10, min(budget, floor))
+    in_ram = budget + (0 if device_compute else device_budget)
+    return max(min(budget, in_ram // 10), min(budget, floor))
 
 
 def _capacities(
