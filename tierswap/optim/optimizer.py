@@ -286,6 +286,8 @@ class SwapOptimizer(Assembly):
             return loss
         with step_allocations():  # the step's transients go back to the OS when freed
             self._stepper.step_now()
+        if self._stream is not None and self._stream.keeps_all():  # forward reads nothing
+            self._stepper.read_ahead_backward()
         return loss
 
     def grad_final(self, param: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
+from tierswap.optim.step import _stepper
 from tierswap.optim.stream import OffloadedGradient
+from tierswap.pipeline import Job, Pipeline
 from tierswap.tiers import DEVICE
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
@@ -752,6 +755,82 @@ def test_gradients_that_stay_in_memory_take_no_room_in_resident_slices(tmp_path:
         stats = opt.tier_stats()
         assert stats["device"]["peak"] <= spare
         assert stats["host"]["peak"] <= 20480
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_masters_that_lag_take_no_buffer_in_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept fp32 parameter is stepped in place; on a step that writes no master (no commit
+    due, a schedule without rollbacks) its slice's job holds no buffer for the master, so the
+    host budget's streaming part holds more slices in flight (a step that commits buffers it:
+    the write copies the values there). Bitwise torch's AdamW."""
+    lagging: list[tuple[Job, Job]] = []  # a job that lets its masters lag, and its twin
+    make = _stepper.slice_job
+
+    def recording(piece: Any, *args: Any, masters_lag: bool = False, **kwargs: Any) -> Job:
+        job = make(piece, *args, masters_lag=masters_lag, **kwargs)
+        if masters_lag:
+            lagging.append((job, make(piece, *args, **kwargs)))
+        return job
+
+    monkeypatch.setattr(_stepper, "slice_job", recording)
+    settings = {"overlap": "backward", "commit_every": 2, "host_budget": 49152}
+    ref, model, plain, opt = _streaming(tmp_path, device_budget=ALL_KEPT, **settings)
+    for step in range(4):
+        _train(ref, plain, step)
+        _train(model, opt, step)
+        _same_state_dicts(ref, model)
+    assert any(buffered.unread for _, buffered in lagging)
+    for job, buffered in lagging:
+        assert not job.unread
+        assert job.reads == buffered.reads
+        masters = sum(-(-4 * r.numel // 4096) * 4096 for r in buffered.unread)  # whole pages
+        assert job.nbytes == buffered.nbytes - masters
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_backward_reads_ahead_the_slices_that_step_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stepping in backward, the state reads started ahead are those of the slices that step
+    next (backward steps the layout's order: the last parameters first), and ``step()`` starts
+    those of the next step's first slices, which forward then hides; they used to be the
+    slices that step last, which held the room until the end while each slice waited for its
+    own read. Bitwise torch's AdamW."""
+    events: list[tuple[str, list[int]]] = []
+    work, prefetch = _stepper.Stepper.work, Pipeline.prefetch
+
+    def stepping(self: Any, plan: Any, job: Job, tensors: Any) -> Any:
+        events.append(("step", [job.name]))
+        return work(self, plan, job, tensors)
+
+    def reading(self: Pipeline, jobs: Any) -> None:
+        jobs = list(jobs)
+        events.append(("ahead", [job.name for job in jobs if isinstance(job.name, int)]))
+        prefetch(self, jobs)
+
+    monkeypatch.setattr(_stepper.Stepper, "work", stepping)
+    monkeypatch.setattr(Pipeline, "prefetch", reading)
+    settings = {"overlap": "backward", "device_budget": ALL_KEPT, "host_budget": 98304}
+    ref, model, plain, opt = _streaming(tmp_path, **settings)
+    for step in range(3):
+        events.clear()
+        _train(ref, plain, step)
+        _train(model, opt, step)
+        _same_state_dicts(ref, model)
+    stepped: list[int] = []
+    for kind, names in events[:-1]:
+        if kind == "step":
+            stepped += names
+        else:  # ahead of where backward stands, in the order it steps them
+            assert names == sorted(names)
+            assert all(name > max(stepped, default=-1) for name in names)
+    assert stepped == sorted(stepped)
+    assert events[-1][0] == "ahead"  # step() reads the first ones of the next step
+    assert events[-1][1][0] == stepped[0]
     opt.close()
     assert_same_params(ref, model)
 

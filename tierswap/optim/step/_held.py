@@ -4,8 +4,10 @@ and the reads of the next slices' state started ahead.
 With ``offload_parameters`` a slice steps in its gradient hook (``overlap="auto"`` or
 ``"backward"``), with each gradient taken from memory: the stream returns it as it keeps it
 (or, unchecked, instead of keeping it), and it is held here until every slice it feeds has
-stepped. Meanwhile the state of the slices that step next in backward (layout order
-reversed) is read ahead within half the room the host budget has: the other half is left to
+stepped. Meanwhile the state of the slices that step next in backward (layout order: the
+layout lists the last parameters first) is read ahead within half the room the host budget
+has, the first ones from ``step()`` on when forward reads no parameter (forward hides them):
+the other half is left to
 the parameters' reads and the gradients' writes, which would else drop reads started ahead to
 make room and read them again.
 
@@ -31,12 +33,12 @@ class HeldGradients:
 
     def __init__(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
-        self._ahead_from = 1 << 62  # slices below this index may still be read ahead
+        self._ahead_from = 0  # slices from this index on may still be read ahead
 
     def clear(self) -> None:
         """A step ended, or its gradients were dropped: hold nothing, read ahead anew."""
         self.grads.clear()
-        self._ahead_from = 1 << 62
+        self._ahead_from = 0
 
     def let_go(self, layout: Layout, stepped: list[Slice], handed: Container[int]) -> None:
         """Drop the gradients of the slots of ``stepped`` whose slices have all been handed
@@ -55,15 +57,15 @@ class HeldGradients:
         (handed over already, or one that does not step in backward)."""
         room = (pipeline.budget - pipeline.held) // 2
         jobs: list[Job] = []
-        index = min(self._ahead_from, len(layout.slices)) - 1
-        while index >= 0:
+        index = self._ahead_from
+        while index < len(layout.slices):
             job = job_for(layout.slices[index])
             if job is not None:
                 if job.nbytes > room:
                     break
                 jobs.append(job)
                 room -= job.nbytes
-            index -= 1
+            index += 1
+        self._ahead_from = index
         if jobs:
-            self._ahead_from = index + 1
             pipeline.prefetch(jobs)

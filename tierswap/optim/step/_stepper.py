@@ -46,6 +46,7 @@ from tierswap.optim.step._slice_work import (
     slice_job,
     slice_reads,
     step_slice,
+    unbuffered_masters,
 )
 from tierswap.optim.step._speculation import (
     Speculation,
@@ -152,6 +153,14 @@ class Stepper:
             self._held.clear()
         self.parts.state.steps += 1
         self._end_step(plan, due)
+
+    def read_ahead_backward(self) -> None:
+        """Streamed parameters stepping in backward (``overlap="backward"``): start the reads
+        of the slices that step first in the next backward, for forward to hide. For a
+        forward that reads no parameter: those reads would take the room back, and these be
+        read again."""
+        if self._inline and self.parts.config.overlap == "backward":
+            self._held.read_ahead(self.layout, self.parts.backend.pipeline, self._job_ahead)
 
     def step_checked(self) -> None:
         """``overlap="auto"`` and ``"forward"``: check the slices stepped in backward against
@@ -621,6 +630,7 @@ class Stepper:
         return slice_job(
             piece, self.parts.state.names, self.layout.placement, scratch=self._scratch_on_cpu,
             scales_held=self.layout.held_scales > 0, grads_held=held, live=live,
+            masters_lag=self._scratch_on_cpu and not self._speculative and not self.commit_due(),
         )  # fmt: skip
 
     def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
@@ -636,7 +646,8 @@ class Stepper:
             if undo is not None:
                 undo.result()  # the pre-step parameters are on disk before they change
             self.speculation.record(piece.index, stamps_of(plan, piece))  # can roll back
-        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job), job.unread)
+        unread = (*job.unread, *unbuffered_masters(piece, tensors))
+        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job), unread)
         writes = {region: t for region, t in writes.items() if region not in views}
         self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
         if created:

@@ -189,6 +189,11 @@ class ParameterStream:
         if model is not None:
             check_owned(model, slots)
 
+    def keeps_all(self) -> bool:
+        """Whether every streamed parameter holds its values now (kept between uses, as
+        ``device_budget`` allows): the next forward reads none."""
+        return self._streamed() <= self._live
+
     def _streamed(self) -> set[int]:
         return {i for _, owned in self._modules for i in owned}
 
