@@ -60,6 +60,7 @@ __all__ = [
     "state_region",
     "state_regions",
     "step_slice",
+    "unbuffered_masters",
 ]
 
 
@@ -97,6 +98,7 @@ def slice_job(
     scales_held: bool = False,
     grads_held: Container[int] = (),
     live: Container[int] = (),
+    masters_lag: bool = False,
 ) -> Job:
     """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
     steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
@@ -109,6 +111,10 @@ def slice_job(
     :attr:`~tierswap.optim.plan.Slot.grads_in_memory`): the step takes them from memory
     (:attr:`~tierswap.optim.plan.StepPlan.held`). ``live``: slots whose parameters will
     hold their values when the job runs, though they may not yet (:func:`valued_masters`).
+    Those masters get buffers (the job's ``unread``) into which a write of them copies the
+    values, unless ``masters_lag`` (a step on the CPU that writes no master its parameter
+    holds: :attr:`~tierswap.optim.plan.StepPlan.unwritten`, no commit due): the step then
+    steps the parameter in place and needs no buffer (:func:`unbuffered_masters`).
 
     A slice with a trainable parameter that has no state yet (its first step) steps with
     the state torch creates instead of decoded copies: that pass takes no share of the work
@@ -129,14 +135,31 @@ def slice_job(
     # holds the master between steps, so the master it reads first (on its first resident
     # pass) must be the stored one, which a first step that let it lag would have left stale
     unread = () if piece.index in placement else valued_masters(piece, live)
+    unbuffered = (
+        sum(
+            max(round_up(seg.slot.master_buffers(seg.numel)[0], ALIGN), ALIGN)  # as held_bytes
+            for seg in piece.segments
+            if _region(seg.slot.master_key, seg) in unread
+        )
+        if masters_lag
+        else 0
+    )
     return Job(
         piece.index,
         tuple(region for region in reads if region not in unread),
-        piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0),
+        piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0)
+        - unbuffered,
         tier=tier,
         scratch=piece.scratch_bytes if shared else 0,
-        unread=unread,
-    )
+        unread=() if masters_lag else unread,
+    )  # fmt: skip
+
+
+def unbuffered_masters(piece: Slice, tensors: Container[Region]) -> tuple[Region, ...]:
+    """The master regions of ``piece`` that its job neither read nor buffered
+    (``masters_lag``): those its parameters hold as the slice steps (:func:`valued_masters`),
+    which :func:`step_slice` takes from them (pass them in its ``unread``)."""
+    return tuple(region for region in valued_masters(piece) if region not in tensors)
 
 
 def valued_masters(piece: Slice, live: Container[int] = ()) -> tuple[Region, ...]:
@@ -358,16 +381,18 @@ def _target(
         assert whole_grad is not None  # plan.live holds only slots whose gradient is final
         grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
-        stored = tensors[_region(slot.master_key, seg)]
-        if _region(slot.master_key, seg) in unread:  # the parameter holds it (not an edit)
+        region = _region(slot.master_key, seg)
+        stored = tensors.get(region)  # not buffered: a master that lags (slice_job)
+        if region in unread:  # the parameter holds it (not an edit)
             values = flat(slot.param.data)[seg.start : seg.stop]
-            if values.device.type == "cpu" == stored.device.type:
+            if stored is None or values.device.type == "cpu" == stored.device.type:
                 # stepped in place, as a parameter without a master, not copied in and back
                 # (its write, if any, copies it into the job's buffer: the parameter may let
                 # its values go once the slice has stepped)
                 stored = values
             else:
                 stored.copy_(values)
+        assert stored is not None, region  # read, or held by the parameter
         if slot.remainder:  # the fp32 master, rebuilt exactly from the parameter
             param = _param_values(slot, seg, tensors).to(stored.device)
             stored = join(param, stored, scratch.take(seg.numel, stored.device))
