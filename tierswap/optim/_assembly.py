@@ -242,6 +242,7 @@ class Assembly(Checkpoints):
             chunk_bytes=chunk_bytes,
             forward_order=config.overlap == "forward",
             device_compute=self._transfers.moves,
+            in_backward=config.overlap == "backward",
         )
 
     def _start(self, resume: bool, model: torch.nn.Module | None) -> None:

@@ -107,16 +107,20 @@ def _longest_run(flags: list[bool], value: bool) -> int:
 def test_resident_slices_spread_over_the_order_slices_step_in(
     monkeypatch: pytest.MonkeyPatch, host: float, device: float
 ) -> None:
-    """Belady on the cyclic schedule keeps the slices that step first; the layout spreads
-    the same bytes over the step's order, each tier's within its share, so that the disk
-    never idles through a run of resident slices (in backward the step cannot reorder them)."""
+    """Belady on the cyclic schedule keeps the slices that step first; where every slice
+    steps in backward (which the step cannot reorder), the layout spreads the same bytes over
+    that order, each tier's within its share, so that the disk never idles through a run of
+    resident slices. Elsewhere the policy's choice stands (``step()`` interleaves the slices;
+    under ``"auto"`` a resident slice waits for it, keeping its parameter's gradient)."""
     monkeypatch.setattr(_layout, "STREAM_FLOOR", FLOOR)
     slots = _slots(16)
     state = _state(slots)
     budgets = {"host_budget": int(host * state), "device_budget": int(device * state)}
-    layout = _layout.plan_layout(slots, policy="lookahead", **budgets)
+    layout = _layout.plan_layout(slots, policy="lookahead", in_backward=True, **budgets)
+    after_backward = _layout.plan_layout(slots, policy="lookahead", **budgets)
     monkeypatch.setattr(_layout, "_spread", lambda order, placement, *_: placement)
-    prefix = _layout.plan_layout(slots, policy="lookahead", **budgets)
+    prefix = _layout.plan_layout(slots, policy="lookahead", in_backward=True, **budgets)
+    assert after_backward.placement == prefix.placement  # the policy's, as it chose
     resident = [piece.index in layout.placement for piece in layout.slices]
     assert _longest_run([p.index in prefix.placement for p in prefix.slices], True) > 4
     kept, streamed = resident.count(True), resident.count(False)

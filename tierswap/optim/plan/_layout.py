@@ -106,6 +106,7 @@ def plan_layout(
     chunk_bytes: int | None = None,
     forward_order: bool = False,
     device_compute: bool = False,
+    in_backward: bool = False,
 ) -> Layout:
     """Cut ``slots`` into slices, choose where each stays between steps, check the budgets.
 
@@ -117,8 +118,9 @@ def plan_layout(
     step's cyclic schedule (forward order with ``forward_order``), which slices stay resident:
     in the device tier first (``device_budget``), then in host memory (what the host budget
     has beyond the streaming part and the held scales); the rest streams from disk
-    (:func:`tierswap.engine.place`); the lookahead policy's choice is then spread over the
-    step's order (:func:`_spread`). ``chunk_bytes`` keeps a chunking already stored
+    (:func:`tierswap.engine.place`); with ``in_backward`` (every slice steps in backward, in
+    backward's order) the lookahead policy's choice is then spread over that order
+    (:func:`_spread`). ``chunk_bytes`` keeps a chunking already stored
     (``None``: choose one). ``device_compute``: slices step on a GPU, so streamed ones pass
     through device memory too. Raises ``ConfigError`` when a slice does not fit a budget.
 
@@ -155,7 +157,8 @@ def plan_layout(
     schedule = [str(piece.index) for piece in order]  # the order the slices step in
     placed = place(policy, schedule, {str(p.index): sizes.held(p) for p in slices}, capacities)
     placement = {int(key): cast(TierName, tier) for key, tier in placed.items()}
-    if policy == "lookahead" or isinstance(policy, LookaheadPolicy):  # (a user's: as it chose)
+    lookahead = policy == "lookahead" or isinstance(policy, LookaheadPolicy)  # (not a user's)
+    if in_backward and lookahead:
         placement = _spread(order, placement, sizes.held, capacities)
     return Layout(list(slots), slices, placement, chunk, budget, sizes.scales(slots))
 
@@ -171,7 +174,9 @@ def _spread(
     step first). Each slice steps once a cycle, so any slices of the same bytes save the same
     disk traffic; spread out, the disk keeps working while a resident slice steps, where the
     order is not the step's to choose (slices stepping in backward, as each gradient becomes
-    final). Each tier holds about what the policy gave it (tiers in ``capacities``' order,
+    final). Not where resident slices wait for ``step()`` while the others step in backward
+    (``overlap="auto"``): spread, each would keep its parameter's gradient in memory through
+    backward. Each tier holds about what the policy gave it (tiers in ``capacities``' order,
     device first), never more than its capacity."""
     quota = {
         tier: sum(held(p) for p in order if placement.get(p.index) == tier) for tier in capacities
