@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tierswap.config import ALIGN, format_size, round_up
+from tierswap.config import ALIGN, format_size
 from tierswap.errors import ConfigError
+from tierswap.io import footprint
 from tierswap.optim.formats import (
     BLOCK_SIZE,
     MIN_8BIT_NUMEL,
@@ -271,10 +272,10 @@ class Slot:
             arrays = [
                 a for name in self.whole_state for a in self._format(name).arrays(name, numel)
             ]
-            return sum(_footprint(a.numel * a.dtype.itemsize) for a in arrays)
+            return sum(footprint(a.numel * a.dtype.itemsize) for a in arrays)
         if self.whole_state is not None:
-            return sum(_footprint(math.prod(s) * size) for s, size in self.whole_state.values())
-        return sum(_footprint(numel * size) for size in self.state_itemsizes)
+            return sum(footprint(math.prod(s) * size) for s, size in self.whole_state.values())
+        return sum(footprint(numel * size) for size in self.state_itemsizes)
 
     @property
     def scales_bytes(self) -> int:
@@ -283,19 +284,19 @@ class Slot:
         for other slots."""
         if self.whole or self.stored_precision != "8bit":
             return 0
-        return self.state_count * _footprint(4 * num_blocks(self.local.numel()))
+        return self.state_count * footprint(4 * num_blocks(self.local.numel()))
 
     @property
     def master_bytes(self) -> int:
         """Footprint of the stored master (fp32 master or remainder)."""
         if not self.has_master:
             return 0
-        return _footprint(self.master_buffers(self.local.numel())[0])
+        return footprint(self.master_buffers(self.local.numel())[0])
 
     @property
     def working_set(self) -> int:
         """Bytes held for this slot while it steps whole: state, master and kept gradient."""
-        grad = sum(_footprint(n) for n in self.grad_buffers(self.local.numel()))
+        grad = sum(footprint(n) for n in self.grad_buffers(self.local.numel()))
         return self.state_bytes + self.master_bytes + grad
 
     @property
@@ -325,10 +326,6 @@ class Slot:
         return min(sizes)
 
 
-def _footprint(nbytes: int) -> int:
-    return max(round_up(nbytes, ALIGN), ALIGN)
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Elements ``[start, stop)`` of one slot's flattened (local) parameter."""
@@ -348,13 +345,13 @@ class Segment:
         numel = self.numel
         if numel == 0:  # e.g. an empty FSDP shard: stepped for its counters, no buffers
             return 0
-        master = sum(_footprint(n) for n in self.slot.master_buffers(numel))
-        master += sum(_footprint(n) for n in self.slot.grad_buffers(numel))
+        master = sum(footprint(n) for n in self.slot.master_buffers(numel))
+        master += sum(footprint(n) for n in self.slot.grad_buffers(numel))
         if self.slot.whole:
             decoded = 0 if self.slot.stored_precision == "fp32" else self.slot.state_count
             temporaries = WHOLE_TEMPORARIES + decoded  # compact state decodes into fp32 copies
-            return self.slot.state_bytes + master + _footprint(numel * 4) * temporaries
-        return sum(_footprint(n) for n in self.slot.state_buffers(numel)) + master
+            return self.slot.state_bytes + master + footprint(numel * 4) * temporaries
+        return sum(footprint(n) for n in self.slot.state_buffers(numel)) + master
 
     @property
     def scratch_bytes(self) -> int:
@@ -362,7 +359,7 @@ class Segment:
         its working set: in whole pages, as the working set counts them."""
         if self.numel == 0 or self.slot.whole:
             return 0
-        return sum(_footprint(n) for n in self.slot.scratch_buffers(self.numel))
+        return sum(footprint(n) for n in self.slot.scratch_buffers(self.numel))
 
     @property
     def held_bytes(self) -> int:
@@ -377,7 +374,7 @@ class Segment:
         layout holds the slot's scales (:attr:`Slot.scales_bytes`)."""
         if self.numel == 0 or self.slot.scales_bytes == 0:
             return 0
-        return self.slot.state_count * _footprint(4 * num_blocks(self.numel))
+        return self.slot.state_count * footprint(4 * num_blocks(self.numel))
 
 
 @dataclasses.dataclass

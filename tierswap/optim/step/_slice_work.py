@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tierswap.config import ALIGN, round_up
+from tierswap.io import footprint
 from tierswap.optim.formats import MomentFormat, join, num_blocks, split
 from tierswap.optim.plan import (
     Segment,
@@ -85,7 +85,7 @@ class Scratch:
         if buffer is None or device.type != "cpu" or self._used + nbytes > buffer.numel():
             return torch.empty(numel, dtype=dtype, device=device)
         piece = buffer[self._used : self._used + nbytes].view(dtype)
-        self._used += max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
+        self._used += footprint(nbytes)
         return piece
 
 
@@ -137,7 +137,7 @@ def slice_job(
     unread = () if piece.index in placement else valued_masters(piece, live)
     unbuffered = (
         sum(
-            max(round_up(seg.slot.master_buffers(seg.numel)[0], ALIGN), ALIGN)  # as held_bytes
+            footprint(seg.slot.master_buffers(seg.numel)[0])  # as held_bytes counts it
             for seg in piece.segments
             if _region(seg.slot.master_key, seg) in unread
         )
@@ -226,7 +226,7 @@ def scales_job(slots: list[Slot], state_names: dict[int, list[str]]) -> Job | No
     ]
     if not reads:
         return None
-    nbytes = sum(max(round_up(4 * region.numel, ALIGN), ALIGN) for region in reads)
+    nbytes = sum(footprint(4 * region.numel) for region in reads)
     return Job(SCALES_JOB, tuple(reads), nbytes, tier=HOST)
 
 
