@@ -7,6 +7,7 @@ steps, the gradient hooks that tell the optimizer a parameter's gradient is fina
 allocator's settings while a step runs.
 
 - ``_stepper``: :class:`Stepper`;
+- ``_slice_job``: what one slice's step reads and holds (its pipeline job);
 - ``_slice_work``: one slice's work, as the pipeline calls it;
 - ``_deferred``: the worker of ``overlap="forward"``, ``"auto"`` and ``"backward"``
   (:class:`DeferredSteps`);

@@ -19,14 +19,14 @@ as its stored regions (codes and absmax for 8 bits: slices start and end at bloc
 decoded into fp32 scratch where the step runs, stepped by torch's kernel in fp32 and encoded
 back into the regions written. When the layout holds the 8-bit scales in host memory
 (:attr:`~tierswap.optim.plan.Layout.held_scales`), a slice reads only its codes and views
-its scales in the held arrays (:func:`scales_job`, :func:`scales_views`). A master kept as
+its scales in the held arrays (:mod:`~tierswap.optim.step._slice_job`, which also says what
+each slice reads). A master kept as
 a remainder is joined with the parameter into fp32 scratch, stepped, and split into the
 parameter (rounded half up) and the new remainder.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Container
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tierswap.io import footprint
-from tierswap.optim.formats import MomentFormat, join, num_blocks, split
+from tierswap.optim.formats import MomentFormat, join, split
 from tierswap.optim.plan import (
     Segment,
     Slice,
@@ -44,24 +44,11 @@ from tierswap.optim.plan import (
     array_chunk_bytes,
     flat,
     local_tensor,
-    master_dtype,
 )
-from tierswap.pipeline import Job, Region
-from tierswap.tiers import HOST, TierName
+from tierswap.optim.step._slice_job import segment_region, state_region, state_regions
+from tierswap.pipeline import Region
 
-__all__ = [
-    "SCALES_JOB",
-    "Scratch",
-    "clone_small",
-    "scales_job",
-    "scales_views",
-    "slice_job",
-    "slice_reads",
-    "state_region",
-    "state_regions",
-    "step_slice",
-    "unbuffered_masters",
-]
+__all__ = ["STEP_BLOCK", "Scratch", "clone_small", "step_slice"]
 
 
 class Scratch:
@@ -87,168 +74,6 @@ class Scratch:
         piece = buffer[self._used : self._used + nbytes].view(dtype)
         self._used += footprint(nbytes)
         return piece
-
-
-def slice_job(
-    piece: Slice,
-    state_names: dict[int, list[str]],
-    placement: dict[int, TierName],
-    *,
-    scratch: bool,
-    scales_held: bool = False,
-    grads_held: Container[int] = (),
-    live: Container[int] = (),
-    masters_lag: bool = False,
-) -> Job:
-    """The pipeline job of ``piece``: its reads, its bytes, the tier it stays in between
-    steps (if any), and, with ``scratch`` (a step on the CPU), its work buffers, which the
-    pipeline keeps apart (one for all slices: the job's bytes leave them out). Elsewhere the
-    step allocates its work tensors, and the job's bytes count them. With ``scales_held``
-    (:attr:`~tierswap.optim.plan.Layout.held_scales`) the 8-bit scales of existing state
-    are neither read nor counted: the work views them in :func:`scales_job`'s tensors
-    (:func:`scales_views`). The kept gradients of the slots in ``grads_held`` are not read (its
-    bytes still count them, unless no step ever reads them from the swap space:
-    :attr:`~tierswap.optim.plan.Slot.grads_in_memory`): the step takes them from memory
-    (:attr:`~tierswap.optim.plan.StepPlan.held`). ``live``: slots whose parameters will
-    hold their values when the job runs, though they may not yet (:func:`valued_masters`).
-    Those masters get buffers (the job's ``unread``) into which a write of them copies the
-    values, unless ``masters_lag`` (a step on the CPU that writes no master its parameter
-    holds: :attr:`~tierswap.optim.plan.StepPlan.unwritten`, no commit due): the step then
-    steps the parameter in place and needs no buffer (:func:`unbuffered_masters`).
-
-    A slice with a trainable parameter that has no state yet (its first step) steps with
-    the state torch creates instead of decoded copies: that pass takes no share of the work
-    buffer, its bytes count its own work tensors instead, and the slice becomes resident
-    only from its next pass, when it holds what the layout planned for it (a slice holding a
-    trainable parameter that never gets a gradient therefore keeps streaming)."""
-    fresh = piece.scratch_bytes > 0 and any(
-        seg.slot.param.requires_grad and not state_names.get(seg.slot.index)
-        for seg in piece.segments
-    )
-    shared = scratch and not fresh  # else its work tensors are its own
-    held = sum(seg.scales_bytes for seg in piece.segments if state_names.get(seg.slot.index))
-    tier = None if fresh else placement.get(piece.index)
-    # a resident slice keeps the regions of its gradients, into which they are kept
-    in_memory = () if tier is not None else grads_held
-    reads = slice_reads(piece, state_names, scales_held=scales_held, grads_held=in_memory)
-    # a master the parameter holds is filled from it, not read; not a resident slice's: it
-    # holds the master between steps, so the master it reads first (on its first resident
-    # pass) must be the stored one, which a first step that let it lag would have left stale
-    unread = () if piece.index in placement else valued_masters(piece, live)
-    unbuffered = (
-        sum(
-            footprint(seg.slot.master_buffers(seg.numel)[0])  # as held_bytes counts it
-            for seg in piece.segments
-            if _region(seg.slot.master_key, seg) in unread
-        )
-        if masters_lag
-        else 0
-    )
-    return Job(
-        piece.index,
-        tuple(region for region in reads if region not in unread),
-        piece.held_bytes + (0 if shared else piece.scratch_bytes) - (held if scales_held else 0)
-        - unbuffered,
-        tier=tier,
-        scratch=piece.scratch_bytes if shared else 0,
-        unread=() if masters_lag else unread,
-    )  # fmt: skip
-
-
-def unbuffered_masters(piece: Slice, tensors: Container[Region]) -> tuple[Region, ...]:
-    """The master regions of ``piece`` that its job neither read nor buffered
-    (``masters_lag``): those its parameters hold as the slice steps (:func:`valued_masters`),
-    which :func:`step_slice` takes from them (pass them in its ``unread``)."""
-    return tuple(region for region in valued_masters(piece) if region not in tensors)
-
-
-def valued_masters(piece: Slice, live: Container[int] = ()) -> tuple[Region, ...]:
-    """The master regions of ``piece`` whose values a streamed parameter holds now (or, for
-    the slots in ``live``, will hold when the slice steps), exactly: an fp32 parameter kept
-    in memory between uses (``device_budget``) or in use (as one whose final gradient makes
-    its slice step in backward), whose master it was read from, with the edits since written
-    to it (before any step reads it) and the step's updates made to it too. The step steps
-    the parameter's values in place (on the CPU), or fills the master from them, instead of
-    reading it (:func:`step_slice`'s ``unread``)."""
-    return tuple(
-        _region(seg.slot.master_key, seg)
-        for seg in piece.segments
-        if seg.slot.streamed
-        and seg.slot.has_master
-        and not seg.slot.remainder
-        and master_dtype(seg.slot.param) == seg.slot.param.dtype
-        and (seg.slot.index in live or seg.slot.param.untyped_storage().nbytes() > 0)
-    )
-
-
-def slice_reads(
-    piece: Slice,
-    state_names: dict[int, list[str]],
-    *,
-    scales_held: bool = False,
-    grads_held: Container[int] = (),
-    kept_grads: bool = True,
-) -> tuple[Region, ...]:
-    """The regions a slice reads: the state that exists (its 8-bit scales only when they
-    are not held: ``scales_held``), each master (with a streamed parameter's stored values
-    when its master is a remainder), and, with ``kept_grads``, each gradient kept in the swap
-    space, but those of the slots in ``grads_held`` (in memory)."""
-    reads: list[Region] = []
-    for seg in piece.segments:
-        slot = seg.slot
-        for name in state_names.get(slot.index, []):
-            regions = state_regions(seg, name)
-            reads += regions[:1] if scales_held and slot.scales_bytes else regions
-        if slot.has_master:
-            reads.append(_region(slot.master_key, seg))
-        if slot.streamed and slot.remainder:  # the parameter's half of the master
-            reads.append(_region(slot.param_key, seg))
-        if kept_grads and slot.steps_from_kept_grad and slot.index not in grads_held:
-            reads.append(_region(slot.grad_key, seg))
-    return tuple(reads)
-
-
-#: The name of the pipeline job that holds the 8-bit scales (:func:`scales_job`).
-SCALES_JOB = "scales"
-
-
-def scales_job(slots: list[Slot], state_names: dict[int, list[str]]) -> Job | None:
-    """The job a layout that holds the 8-bit scales (:attr:`~tierswap.optim.plan.Layout.
-    held_scales`) keeps in host memory (:meth:`tierswap.Pipeline.hold`): the whole scales
-    array of each existing state of each slot slices cut, in whole pages as
-    :attr:`~tierswap.optim.plan.Slot.scales_bytes` counts them; ``None`` when there is none
-    (no state yet)."""
-    reads = [
-        Region(slot.state_keys(name)[1], 0, num_blocks(slot.local.numel()))
-        for slot in slots
-        if slot.scales_bytes
-        for name in state_names.get(slot.index, [])
-    ]
-    if not reads:
-        return None
-    nbytes = sum(footprint(4 * region.numel) for region in reads)
-    return Job(SCALES_JOB, tuple(reads), nbytes, tier=HOST)
-
-
-def scales_views(
-    piece: Slice, state_names: dict[int, list[str]], held: dict[Region, torch.Tensor]
-) -> dict[Region, torch.Tensor]:
-    """The 8-bit scales regions of ``piece``'s state as views of the ``held`` whole arrays
-    (:func:`scales_job`'s tensors, :meth:`tierswap.Pipeline.hold`): the step decodes from and
-    encodes into them in place, so they are not written back with the slice."""
-    if not held:
-        return {}
-    by_key = {region.key: tensor for region, tensor in held.items()}
-    views: dict[Region, torch.Tensor] = {}
-    for seg in piece.segments:
-        if not seg.slot.scales_bytes:
-            continue
-        for name in state_names.get(seg.slot.index, []):
-            region = state_regions(seg, name)[1]
-            whole = by_key.get(region.key)
-            if whole is not None:
-                views[region] = whole[region.start : region.stop]
-    return views
 
 
 #: Elements per block when a cut parameter steps on the CPU with a for-loop kernel (torch's
@@ -320,33 +145,6 @@ def _step_inner(
         inner.param_groups, inner.state = saved_groups, defaultdict(dict)
 
 
-def _region(key: str, seg: Segment) -> Region:
-    return Region(key, seg.start, seg.stop)
-
-
-def state_region(seg: Segment, name: str) -> Region:
-    """The stored region of state ``name`` that ``seg`` steps: its own elements of per-element
-    state, or the whole tensor (of the state's own shape) for a parameter stepped whole."""
-    slot, key = seg.slot, f"{seg.slot.prefix}/{name}"
-    if slot.whole_state is not None and name in slot.whole_state:
-        shape, _ = slot.whole_state[name]
-        return Region(key, 0, math.prod(shape))
-    return _region(key, seg)
-
-
-def state_regions(seg: Segment, name: str) -> list[Region]:
-    """The stored regions of state ``name`` that ``seg`` steps, one per stored array: the
-    codes and absmax of 8-bit state (block-aligned), else :func:`state_region`."""
-    slot = seg.slot
-    fmt = slot.moment_format(name)
-    if fmt is None:
-        return [state_region(seg, name)]
-    ranges = fmt.array_ranges(seg.start, seg.stop, slot.local.numel())
-    return [
-        Region(key, lo, hi) for key, (lo, hi) in zip(slot.state_keys(name), ranges, strict=True)
-    ]
-
-
 def _stored_dtypes(slot: Slot, fmt: MomentFormat, name: str) -> list[torch.dtype]:
     return [array.dtype for array in fmt.arrays(name, slot.local.numel())]
 
@@ -374,14 +172,14 @@ def _target(
     if held is not None:  # a streamed gradient still in memory: a step in backward
         grad = _shaped(slot, local_tensor(held).reshape(-1)[seg.start : seg.stop])
     elif slot.keeps_grad:  # read with the slice, edited in place as clipping edits a gradient
-        grad = _shaped(slot, tensors[_region(slot.grad_key, seg)])
+        grad = _shaped(slot, tensors[segment_region(slot.grad_key, seg)])
         apply_grad_edits(grad, plan.grad_edits.get(slot.index, ()))
     else:
         whole_grad = slot.param.grad if plan.grads is None else plan.grads[slot.index]
         assert whole_grad is not None  # plan.live holds only slots whose gradient is final
         grad = _shaped(slot, local_tensor(whole_grad).reshape(-1)[seg.start : seg.stop])
     if slot.has_master:
-        region = _region(slot.master_key, seg)
+        region = segment_region(slot.master_key, seg)
         stored = tensors.get(region)  # not buffered: a master that lags (slice_job)
         if region in unread:  # the parameter holds it (not an edit)
             values = flat(slot.param.data)[seg.start : seg.stop]
@@ -552,7 +350,7 @@ def _collect(
                 values.copy_(target.view(-1))
         writes.update(_master_write(plan, seg, target, unread))
     elif plan.write_params:
-        writes[_region(slot.param_key, seg)] = target.view(-1)
+        writes[segment_region(slot.param_key, seg)] = target.view(-1)
     return writes
 
 
@@ -562,7 +360,7 @@ def _master_write(
     """The write of ``seg``'s stepped master, or none when the parameter holds its values (in
     ``unread``), the plan lets masters lag (:attr:`StepPlan.unwritten`) and no commit is due:
     then the region waits there until a commit or the parameter lets its values go."""
-    region = _region(seg.slot.master_key, seg)
+    region = segment_region(seg.slot.master_key, seg)
     if plan.unwritten is None:
         return {region: target.view(-1)}
     if region in unread and not plan.write_params:
@@ -614,7 +412,7 @@ def _split_master(
     """Split the stepped fp32 master ``target`` into the bf16 parameter (rounded half up)
     and the remainder; the regions to write: the remainder, and the parameter when due."""
     slot = seg.slot
-    region = _region(slot.master_key, seg)
+    region = segment_region(slot.master_key, seg)
     remainder = tensors[region]  # read where the step runs: the new remainder goes there
     param = _param_values(slot, seg, tensors)
     if param.device == target.device:
@@ -623,11 +421,11 @@ def _split_master(
         param.copy_(split(target.reshape(-1), None, remainder)[0])
     writes = {region: remainder}
     if slot.streamed:  # the stored parameter is the only copy: written every step
-        writes[_region(slot.param_key, seg)] = param
+        writes[segment_region(slot.param_key, seg)] = param
         if slot.param.untyped_storage().nbytes() > 0:  # kept between uses: updated too
             flat(slot.param.data)[seg.start : seg.stop].copy_(param)  # not an edit (.data)
     elif plan.write_params:
-        writes[_region(slot.param_key, seg)] = param.detach()
+        writes[segment_region(slot.param_key, seg)] = param.detach()
     return writes
 
 
@@ -635,7 +433,7 @@ def _param_values(slot: Slot, seg: Segment, tensors: dict[Region, torch.Tensor])
     """``seg``'s part of a remainder slot's parameter: in memory, or, streamed, the stored
     values the slice read (:func:`slice_reads`)."""
     if slot.streamed:
-        return tensors[_region(slot.param_key, seg)]
+        return tensors[segment_region(slot.param_key, seg)]
     return flat(slot.param)[seg.start : seg.stop]
 
 

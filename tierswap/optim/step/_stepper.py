@@ -39,15 +39,15 @@ from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
 from tierswap.optim.step._held import HeldGradients
 from tierswap.optim.step._memory import step_allocations, trim_heap
-from tierswap.optim.step._slice_work import (
+from tierswap.optim.step._slice_job import (
     SCALES_JOB,
     scales_job,
     scales_views,
     slice_job,
     slice_reads,
-    step_slice,
     unbuffered_masters,
 )
+from tierswap.optim.step._slice_work import step_slice
 from tierswap.optim.step._speculation import (
     Speculation,
     reduced_after_backward,
