@@ -3,6 +3,11 @@ while their modules run, and the swap space keeps their values.
 
 - ``_stream``: :class:`ParameterStream`, what the hooks' events do: which parameters hold
   values when, read ahead in the recorded order of uses;
+- ``_order``: :class:`~tierswap.optim.stream._order.UseOrder`, the order in which modules use
+  their parameters, recorded once: what to read ahead, which parameters to keep (Belady);
+- ``_gradients``: :class:`~tierswap.optim.stream._gradients.KeptGradients`, the gradients
+  kept in the swap space from backward to the step, and what clipping and unscaling ask of
+  them;
 - ``_swap``: where a parameter's values and kept gradient are in the swap space, and the
   moves between there and memory (copies from resident slices, the pipeline's reads and
   write-behinds);

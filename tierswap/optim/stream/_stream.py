@@ -17,24 +17,24 @@ the next modules' parameters ahead, as the lookahead policy does for the step's 
 Reads started ahead are dropped when a step begins, since the step rewrites the masters.
 
 Gradients never pile up: as backward finalizes a parameter's gradient (the optimizer's
-post-accumulate-grad hook), the gradient goes to the swap space too (into its resident slice,
-or written behind to the store from pooled host buffers within the host budget), its 2-norm is
-noted, and ``param.grad`` gets an :class:`OffloadedGradient` stand-in, on which torch's
-clipping works (it asks the norms and records the factor), and a ``GradScaler``'s unscale (it
-asks whether each is finite and records its factor); the step reads the gradient with the
-slice's state and applies the factors. A slice that steps in backward (``overlap="auto"``)
-takes the gradient from memory instead (:meth:`ParameterStream.grad_final` returns it), and
-``step()`` checks that no factor changed it; the parameter is freed after that step
-(:meth:`ParameterStream.grad_done`), which takes the master from its values, not the store.
+post-accumulate-grad hook), the gradient goes to the swap space too
+(:class:`~tierswap.optim.stream._gradients.KeptGradients`), and ``param.grad`` gets an
+:class:`OffloadedGradient` stand-in, on which torch's clipping and a ``GradScaler``'s unscale
+work; the step reads the gradient with the slice's state and applies their factors. A slice
+that steps in backward (``overlap="auto"``) takes the gradient from memory instead
+(:meth:`ParameterStream.grad_final` returns it), and ``step()`` checks that no factor changed
+it; the parameter is freed after that step (:meth:`ParameterStream.grad_done`), which takes
+the master from its values, not the store.
 Backward passes that accumulate add to the kept gradient, as torch adds into ``param.grad``.
 
 ``device_budget`` (on a machine without a GPU, less the room that the parameters leave to the
 optimizer's state) holds the parameters in use and keeps others between uses: when some are
 done with, those idle ones whose next use in the recorded order comes soonest keep their
-values (Belady, within what the budget leaves beside those in use; those that fit while the
-first iteration records the order), and a read frees kept ones, those used latest first, until
-it fits beside them; the step updates a kept parameter in place, so it is read no more.
-Parameters in use are never freed: a module larger than the budget takes its own size.
+values (Belady on the order of uses, :class:`~tierswap.optim.stream._order.UseOrder`, within
+what the budget leaves beside those in use; those that fit while the first iteration records
+the order), and a read frees kept ones, those used latest first, until it fits beside them;
+the step updates a kept parameter in place, so it is read no more. Parameters in use are
+never freed: a module larger than the budget takes its own size.
 
 Values written into a parameter outside the optimizer (an init, a clamp: its ``_version``
 moves, or its guard reports an edit through ``.data``) are put where its values are kept
@@ -69,18 +69,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from tierswap.errors import GradientOffloadedError
 from tierswap.optim.persist import OptimizerParts, write_lagging_masters, write_master
-from tierswap.optim.plan import GradClamp, Slot, apply_grad_edits
+from tierswap.optim.plan import Slot
+from tierswap.optim.stream._gradients import KeptGradients
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
-from tierswap.optim.stream._placeholder import OffloadedGradient, norm_as_torch
+from tierswap.optim.stream._order import UseOrder
+from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import free, nbytes, to_meta
 from tierswap.optim.stream._swap import (
     allocate_for_upload,
-    empty_for_upload,
     grad_room,
-    keep_grad,
     keep_values,
     read_into,
     read_job,
@@ -128,23 +127,14 @@ class ParameterStream:
         self._sizes: dict[int, int] = {}  # bytes of each slot's parameter values
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
-        self._order: list[int] = []  # modules in the order of their uses, recorded once
-        self._recording = True
-        self._cursor = 0
+        self._order = UseOrder()  # modules in the order of their uses, recorded once
         self._ahead: set[Any] = set()  # names of the jobs read ahead
         self._handles: list[Any] = []
-        self._accumulating: set[int] = set()  # slots whose kept gradient this pass adds to
         #: The bytes of ``device_budget`` for parameters in use and kept between uses.
         self._budget = budget
         self._kept: set[int] = set()  # slots whose parameter keeps its values between uses
-        self._uses: dict[int, list[int]] = {}  # slot -> its positions in the recorded order
-        #: The 2-norm of each kept gradient (for ``clip_grad_norm_``), by slot index.
-        self.norms: dict[int, torch.Tensor] = {}
-        #: Whether each kept gradient is finite (for a ``GradScaler``), noted in backward once
-        #: a scaler has asked (``_note_finite``): before that the first ask reads it back.
-        self.finite: dict[int, bool] = {}
-        self._note_finite = False
-        self.kept_grad_bytes = 0  # gradients put in the swap space
+        #: The gradients backward finalized, kept in the swap space until the step.
+        self.gradients = KeptGradients(parts, functools.partial(self._read_into, grad=True))
         self.fetched_bytes = 0  # read from the store
         self.copied_bytes = 0  # copied from resident slices
         self.live_bytes = 0
@@ -178,7 +168,7 @@ class ParameterStream:
         self._free(self._kept)
         self._kept.clear()
         self._modules = owners(model, self.parts.layout.slot_of)
-        self._order, self._uses, self._cursor, self._recording = [], {}, 0, True
+        self._order.restart()
         self._sizes.clear()  # the layout's slots are numbered anew
         self._take(slot.index for slot in slots)
         self._hook()
@@ -279,24 +269,11 @@ class ParameterStream:
         if slot is None or not slot.streamed:
             return None
         grad = param.grad
-        if grad is not None and not isinstance(grad, OffloadedGradient):
-            self._keep_edits([slot.index])  # its step may read the master now
-            with torch.no_grad():
-                if slot.index in self._accumulating:  # scaled as clipped so far, as in torch
-                    grad = self._kept_grad(slot.index).add_(grad)
-                self.parts.state.grad_edits.pop(slot.index, None)
-                if keep:
-                    keep_grad(self.parts.backend.pipeline, self.parts.layout, slot, grad)
-                    self.kept_grad_bytes += grad.numel() * grad.element_size()
-                    self.norms[slot.index] = norm_as_torch(grad, 2.0)
-                if self._note_finite:
-                    low, high = grad.aminmax()  # both finite: no inf, no NaN (they propagate)
-                    self.finite[slot.index] = bool(torch.isfinite(low) & torch.isfinite(high))
-                else:
-                    self.finite.pop(slot.index, None)
-            param.grad = OffloadedGradient(param, self, slot.index)
-        else:
-            grad = None
+        if grad is None or isinstance(grad, OffloadedGradient):
+            return None
+        self._keep_edits([slot.index])  # its step may read the master now
+        grad = self.gradients.take(slot, grad, keep=keep)
+        param.grad = OffloadedGradient(param, self.gradients, slot.index)
         return grad
 
     def grad_done(self, param: torch.Tensor) -> None:
@@ -361,64 +338,14 @@ class ParameterStream:
         """A backward pass begins: the gradients kept since the last ``zero_grad()`` are the
         ones this pass adds to; their stand-ins leave ``param.grad`` so that autograd stores a
         fresh gradient (torch would add into the old one)."""
-        self._accumulating = set()
+        accumulating = set()
         for _, owned in self._modules:
             for index in owned:
                 param = self._slot(index).param
                 if isinstance(param.grad, OffloadedGradient):
-                    self._accumulating.add(index)
+                    accumulating.add(index)
                     param.grad = None
-
-    def grad_norm(self, index: int, ord: float) -> torch.Tensor:
-        """The ``ord``-norm of slot ``index``'s kept gradient, as torch would compute it on the
-        gradient in memory (:func:`norm_as_torch`): the 2-norm noted as backward finalized it,
-        or, after a recorded edit or for another norm, computed on the gradient read back."""
-        self._check_not_stepped()
-        edits = self.parts.state.grad_edits.get(index)
-        if ord == 2.0 and not edits and index in self.norms:
-            return self.norms[index].clone()
-        return norm_as_torch(self._kept_grad(index), ord)
-
-    def grad_finite(self, index: int) -> bool:
-        """Whether slot ``index``'s kept gradient, edited as recorded, has no inf or NaN (what
-        a ``GradScaler``'s unscale checks): noted in backward, or read back (and from then on
-        noted in every backward)."""
-        self._check_not_stepped()
-        if not self.parts.state.grad_edits.get(index) and index in self.finite:
-            return self.finite[index]
-        self._note_finite = True
-        return bool(torch.isfinite(self._kept_grad(index)).all())
-
-    def scale_grad(self, index: int, factor: Any) -> None:
-        """Record that slot ``index``'s kept gradient is multiplied by ``factor`` in place (the
-        step, or a later accumulation, applies it)."""
-        self._check_not_stepped()
-        self.parts.state.grad_edits.setdefault(index, []).append(_kept(factor))
-
-    def clamp_grad(self, index: int, low: Any, high: Any) -> None:
-        """Record that slot ``index``'s kept gradient is clamped into ``[low, high]`` in place
-        (``torch.nn.utils.clip_grad_value_``; a bound may be ``None``)."""
-        self._check_not_stepped()
-        edit = GradClamp(_kept(low), _kept(high))
-        self.parts.state.grad_edits.setdefault(index, []).append(edit)
-
-    def _check_not_stepped(self) -> None:
-        """Raise ``GradientOffloadedError`` under ``overlap="backward"``: the slices stepped
-        with each gradient in backward, so clipping or unscaling it now would change
-        nothing, silently."""
-        if self.parts.config.overlap == "backward":
-            raise GradientOffloadedError(
-                "with overlap='backward' each gradient stepped in backward, before clipping "
-                "or a GradScaler could change it; use overlap='auto' (the default: steps in "
-                "backward too, checked by step(), redone where clipping changed them)"
-            )
-
-    def _kept_grad(self, index: int) -> torch.Tensor:
-        """Slot ``index``'s kept gradient, read back, with the edits recorded for it applied
-        (they stay recorded: the step applies them to the kept gradient)."""
-        grad = empty_for_upload(self._slot(index).param)
-        self._read_into({index: grad.view(-1)}, grad=True)
-        return apply_grad_edits(grad, self.parts.state.grad_edits.get(index, ()))
+        self.gradients.begin_pass(accumulating)
 
     def step_begins(self) -> None:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
@@ -427,12 +354,7 @@ class ParameterStream:
         if self._loose:
             self._let_go(self._release_loose())
         self._keep_edits(list(self._live))  # the step reads the masters, updates the values
-        if self._recording:
-            self._recording = False
-            for position, module in enumerate(self._order):
-                for index in self._modules[module][1]:
-                    self._uses.setdefault(index, []).append(position)
-        self._cursor = 0
+        self._order.step_begins([owned for _, owned in self._modules])
 
     def drop_ahead(self) -> None:
         """Drop the reads started ahead that no use consumed."""
@@ -475,7 +397,7 @@ class ParameterStream:
             "kept_bytes": sum(self._bytes(i) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
-            "kept_grad_bytes": self.kept_grad_bytes,
+            "kept_grad_bytes": self.gradients.kept_bytes,
             "live_bytes": self.live_bytes,
             "peak_bytes": self.peak_bytes,
         }
@@ -510,7 +432,7 @@ class ParameterStream:
             return
         need = sum(self._bytes(i) for i in missing)
         while self._kept and self.live_bytes + need > self._budget:
-            latest = max(self._kept, key=self._next_use)
+            latest = max(self._kept, key=self._order.next_use)
             self._kept.discard(latest)
             self._free([latest])
         try:
@@ -535,21 +457,9 @@ class ParameterStream:
             self._kept.clear()
             return
         busy = sum(self._bytes(i) for i in self._live - idle)  # still in use
-        room, kept = self._budget - busy, set()
-        for index in sorted(idle, key=self._next_use):
-            size = self._bytes(index)
-            if size <= room:
-                kept.add(index)
-                room -= size
+        kept = self._order.keep_soonest(idle, self._budget - busy, self._bytes)
         self._free(idle - kept)
         self._kept = kept
-
-    def _next_use(self, index: int) -> int:
-        """Uses of modules until the parameter of slot ``index`` is used again (the order of
-        uses is cyclic: the next iteration repeats it)."""
-        uses, cycle = self._uses.get(index, []), len(self._order)
-        later = [u for u in uses if u >= self._cursor]
-        return (later[0] if later else uses[0] + cycle) - self._cursor if uses else 2 * cycle
 
     def _free(self, indices: Iterable[int], *, keep_edits: bool = True) -> None:
         """Free the parameters of slots ``indices`` that hold values, first keeping those
@@ -601,18 +511,7 @@ class ParameterStream:
     def _used(self, position: int) -> None:
         """Module ``position`` is used now: record it (first iteration), or find it in the
         recorded order and read the next modules' parameters ahead."""
-        if self._recording:
-            self._order.append(position)
-            return
-        order = self._order
-        try:
-            found = order.index(position, self._cursor)
-        except ValueError:
-            found = order.index(position) if position in order else -1
-        if found < 0:
-            return
-        self._cursor = found + 1
-        upcoming = order[self._cursor : self._cursor + PREFETCH_MODULES]
+        upcoming = self._order.used(position, PREFETCH_MODULES)
         pipeline = self.parts.backend.pipeline
         indices = [i for p in upcoming for i in self._modules[p][1] if i not in self._live]
         jobs = [
@@ -644,8 +543,3 @@ class ParameterStream:
             for name, p in model.named_parameters(remove_duplicate=False)
             if id(p) in slot_of and slot_of[id(p)].streamed
         }
-
-
-def _kept(value: Any) -> Any:
-    """A clipping factor or bound as recorded: a tensor copied (the caller may reuse it)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
