@@ -85,13 +85,13 @@ def test_step_returns_before_the_slices_and_forward_waits_per_module(tmp_path, m
     ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2, weight_decay=0.1)
     opt = _swap(model, tmp_path)
     gate = threading.Event()
-    work = opt._stepper.work
+    work = opt._stepper.runner.work
 
-    def slow_work(plan, job, tensors):  # the disk, slowed: slices finish after step() returns
+    def slow_work(plan, job, tensors, **kwargs):  # the disk, slowed: slices end after step()
         gate.wait(10)
-        return work(plan, job, tensors)
+        return work(plan, job, tensors, **kwargs)
 
-    monkeypatch.setattr(opt._stepper, "work", slow_work)
+    monkeypatch.setattr(opt._stepper.runner, "work", slow_work)
     with opt:
         x = _batches(1)[0]
         for m, o in ((ref_model, ref), (model, opt)):
@@ -167,12 +167,12 @@ def test_a_failed_deferred_step_is_raised_and_not_committed(tmp_path, monkeypatc
     opt.step()
     opt.synchronize()
 
-    def broken(plan, job, tensors):
+    def broken(plan, job, tensors, **kwargs):
         raise OSError(5, "Input/output error")
 
     model(_batches(1)[0]).sum().backward()
     opt._stepper.deferred.wait()  # the slices speculated in backward have stepped
-    monkeypatch.setattr(opt._stepper, "work", broken)
+    monkeypatch.setattr(opt._stepper.runner, "work", broken)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # all of them must be redone
     opt.step()  # returns: the failure comes from the worker
     with pytest.raises(OSError, match="Input/output"):

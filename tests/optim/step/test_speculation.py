@@ -426,16 +426,16 @@ def test_a_failed_speculation_found_by_another_call_is_rolled_back(tmp_path, mon
     batches = _batches(3)
     _train(model, opt, batches[:2])
     saved = [p.detach().clone() for p in model.parameters()]
-    real = opt._stepper.work
+    real = opt._stepper.runner.work
     calls = []
 
-    def fails_second(plan, job, tensors):
+    def fails_second(plan, job, tensors, **kwargs):
         calls.append(job.name)
         if len(calls) == 2:
             raise OSError(5, "injected: the second slice's disk is gone")
-        return real(plan, job, tensors)
+        return real(plan, job, tensors, **kwargs)
 
-    monkeypatch.setattr(opt._stepper, "work", fails_second)
+    monkeypatch.setattr(opt._stepper.runner, "work", fails_second)
     model(batches[2]).square().mean().backward()
     with pytest.raises(OSError, match="injected"):
         opt.synchronize()

@@ -11,15 +11,15 @@ from tierswap.optim import SwapOptimizer
 
 def _recording(monkeypatch: pytest.MonkeyPatch, swap: SwapOptimizer) -> list[int]:
     """The slice indices the stepper's work runs, in order."""
-    stepper = swap._stepper
+    runner = swap._stepper.runner
     ran: list[int] = []
-    work = stepper.work
+    work = runner.work
 
-    def recording(plan, job, tensors):
+    def recording(plan, job, tensors, **kwargs):
         ran.append(job.name)
-        return work(plan, job, tensors)
+        return work(plan, job, tensors, **kwargs)
 
-    monkeypatch.setattr(stepper, "work", recording)
+    monkeypatch.setattr(runner, "work", recording)
     return ran
 
 
@@ -69,10 +69,10 @@ def test_a_failed_slice_marks_the_state_and_releases_the_pipeline(tmp_path, monk
     swap = SwapOptimizer(model.parameters(), swap_dir=tmp_path / "swap", host_budget="8KiB")
     train_step(model, swap, batches(1)[0])
 
-    def broken(plan, job, tensors):
+    def broken(plan, job, tensors, **kwargs):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(swap._stepper, "work", broken)
+    monkeypatch.setattr(swap._stepper.runner, "work", broken)
     model(batches(1)[0]).square().mean().backward()
     with pytest.raises(OSError, match="Input/output"):
         swap.step()

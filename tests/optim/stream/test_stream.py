@@ -24,7 +24,8 @@ from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
-from tierswap.optim.step import _stepper
+from tierswap.optim.step import _runner
+from tierswap.optim.step._runner import SliceRunner
 from tierswap.optim.stream import OffloadedGradient
 from tierswap.pipeline import Job, Pipeline
 from tierswap.tiers import DEVICE
@@ -767,7 +768,7 @@ def test_masters_that_lag_take_no_buffer_in_the_step(
     host budget's streaming part holds more slices in flight (a step that commits buffers it:
     the write copies the values there). Bitwise torch's AdamW."""
     lagging: list[tuple[Job, Job]] = []  # a job that lets its masters lag, and its twin
-    make = _stepper.slice_job
+    make = _runner.slice_job
 
     def recording(piece: Any, *args: Any, masters_lag: bool = False, **kwargs: Any) -> Job:
         job = make(piece, *args, masters_lag=masters_lag, **kwargs)
@@ -775,7 +776,7 @@ def test_masters_that_lag_take_no_buffer_in_the_step(
             lagging.append((job, make(piece, *args, **kwargs)))
         return job
 
-    monkeypatch.setattr(_stepper, "slice_job", recording)
+    monkeypatch.setattr(_runner, "slice_job", recording)
     settings = {"overlap": "backward", "commit_every": 2, "host_budget": 49152}
     ref, model, plain, opt = _streaming(tmp_path, device_budget=ALL_KEPT, **settings)
     for step in range(4):
@@ -801,18 +802,18 @@ def test_backward_reads_ahead_the_slices_that_step_next(
     slices that step last, which held the room until the end while each slice waited for its
     own read. Bitwise torch's AdamW."""
     events: list[tuple[str, list[int]]] = []
-    work, prefetch = _stepper.Stepper.work, Pipeline.prefetch
+    work, prefetch = SliceRunner.work, Pipeline.prefetch
 
-    def stepping(self: Any, plan: Any, job: Job, tensors: Any) -> Any:
+    def stepping(self: Any, plan: Any, job: Job, tensors: Any, **kwargs: Any) -> Any:
         events.append(("step", [job.name]))
-        return work(self, plan, job, tensors)
+        return work(self, plan, job, tensors, **kwargs)
 
     def reading(self: Pipeline, jobs: Any) -> None:
         jobs = list(jobs)
         events.append(("ahead", [job.name for job in jobs if isinstance(job.name, int)]))
         prefetch(self, jobs)
 
-    monkeypatch.setattr(_stepper.Stepper, "work", stepping)
+    monkeypatch.setattr(SliceRunner, "work", stepping)
     monkeypatch.setattr(Pipeline, "prefetch", reading)
     settings = {"overlap": "backward", "device_budget": ALL_KEPT, "host_budget": 98304}
     ref, model, plain, opt = _streaming(tmp_path, **settings)

@@ -6,7 +6,9 @@ views of the slice's state, decoding and encoding compact state), the worker of 
 steps, the gradient hooks that tell the optimizer a parameter's gradient is final, and the C
 allocator's settings while a step runs.
 
-- ``_stepper``: :class:`Stepper`;
+- ``_stepper``: :class:`Stepper`, when a step's slices run;
+- ``_runner``: :class:`~tierswap.optim.step._runner.SliceRunner`, how they run through the
+  pipeline (their jobs, reads ahead, the plan, each slice's work);
 - ``_slice_job``: what one slice's step reads and holds (its pipeline job);
 - ``_slice_work``: one slice's work, as the pipeline calls it;
 - ``_deferred``: the worker of ``overlap="forward"``, ``"auto"`` and ``"backward"``

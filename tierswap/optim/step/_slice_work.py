@@ -97,7 +97,7 @@ def step_slice(
     """Step the live segments of ``piece``; return the regions to write back.
     ``scratch_buffer`` (``piece.scratch_bytes`` or more) holds the step's work buffers. The
     master regions in ``unread`` were not read: their parameters hold them
-    (:func:`valued_masters`)."""
+    (:func:`~tierswap.optim.step._slice_job.valued_masters`)."""
     segments = [seg for seg in piece.segments if seg.slot.index in plan.live]
     if not segments:
         return {}

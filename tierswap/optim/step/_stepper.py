@@ -1,9 +1,9 @@
 """How a SwapOptimizer's step runs its slices: in backward (checked), in ``step()``, or into
 forward.
 
-One :class:`Stepper` per optimizer turns a step into pipeline jobs, one per slice, and hands
-each slice's work to :func:`~tierswap.optim.step._slice_work.step_slice`. When the work runs depends
-on ``overlap``:
+One :class:`Stepper` per optimizer decides when a step's slices run; its
+:class:`~tierswap.optim.step._runner.SliceRunner` runs them through the pipeline, one job per
+slice. When they run depends on ``overlap``:
 
 - ``"auto"`` (default): each gradient hook hands the slices whose gradients are all final to
   the worker, which steps them during backward, *speculatively*; ``step()`` checks them
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable, Container
-from typing import Any, cast
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -38,31 +39,13 @@ from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, res
 from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
 from tierswap.optim.step._held import HeldGradients
-from tierswap.optim.step._memory import step_allocations, trim_heap
-from tierswap.optim.step._slice_job import (
-    SCALES_JOB,
-    scales_job,
-    scales_views,
-    slice_job,
-    slice_reads,
-    unbuffered_masters,
-)
-from tierswap.optim.step._slice_work import step_slice
-from tierswap.optim.step._speculation import (
-    Speculation,
-    reduced_after_backward,
-    same_groups,
-    stamps_of,
-)
+from tierswap.optim.step._memory import step_allocations
+from tierswap.optim.step._runner import SliceRunner
+from tierswap.optim.step._slice_job import slice_reads
+from tierswap.optim.step._speculation import Speculation, reduced_after_backward, same_groups
 from tierswap.pipeline import Job, Region
 
 __all__ = ["Stepper"]
-
-
-def _grads_kept(piece: Slice) -> bool:
-    """Whether every gradient ``piece`` reads from the swap space (a streamed parameter's,
-    :attr:`~tierswap.optim.plan.Slot.keeps_grad`) is there: its read may start."""
-    return all(seg.slot.param.grad is not None for seg in piece.segments if seg.slot.keeps_grad)
 
 
 class Stepper:
@@ -88,7 +71,6 @@ class Stepper:
             self.deferred.hook_modules(
                 weakref.WeakMethod(self._before_forward), wait=not self._ends_in_step
             )
-        self._scratch_on_cpu = parts.compute_device.type == "cpu"
         self._grad_counts: dict[int, int] = {}  # backward passes seen per slot (accumulation)
         self._final: set[int] = set()  # slots whose gradient is final in this step
         self._queued: set[int] = set()  # slices handed to the worker in backward
@@ -102,6 +84,10 @@ class Stepper:
             and config.state_precision != "8bit"
             and not reduced_after_backward(parts.layout.slots)
         )
+        #: Runs the slices through the pipeline, whenever they step.
+        self.runner = SliceRunner(
+            parts, self.deferred, self.speculation, speculative=self._speculative
+        )
         #: Streamed parameters (``offload_parameters``): speculative slices step in the
         #: gradient hook, on the thread backward runs on, which also streams the parameters
         #: through the pipeline (one thread uses it at a time), with each gradient from
@@ -111,9 +97,7 @@ class Stepper:
         #: Backward passes per step (learnt when speculating).
         self._passes = config.accumulation_steps
         self._blocked = False  # a forward ran after speculation began: none this step
-        self._speculating = False  # the worker is running speculative slices
         self._spec_params: set[int] = set()  # id() of the params speculative slices changed
-        self._undo: dict[int, Any] = {}  # slice -> the write of its pre-step params (worker)
 
     @property
     def speculative(self) -> bool:
@@ -206,7 +190,7 @@ class Stepper:
                         self.deferred.done(seg.slot.param for seg in rolled)
                     if speculated:
                         self.parts.backend.release_savepoint()
-                    self._run_slices(plan, pieces)
+                    self.runner.run(plan, pieces)
                 except BaseException:
                     state.failed = True  # parameters or state half rolled back
                     state.steps -= 1  # not taken (a loaded state continues from the one before)
@@ -247,7 +231,7 @@ class Stepper:
         slots, their gradients and the ``groups`` of now; ``redo``'s slices step again with
         the live set of now."""
         state = self.parts.state
-        plan = state.plan if state.plan is not None else self._new_plan()
+        plan = state.plan if state.plan is not None else self.runner.new_plan()
         state.plan = None
         plan.live = set(live)
         plan.write_params = due
@@ -363,7 +347,7 @@ class Stepper:
 
     def commit_due(self) -> bool:
         """Whether the step under way (or about to start) ends with a commit."""
-        return self.parts.commits.due(self.parts.state.steps + 1)
+        return self.runner.commit_due()
 
     def _live_slots(self) -> set[int]:
         """The slots this step updates: those whose parameter has a gradient."""
@@ -416,7 +400,7 @@ class Stepper:
             return
         if overlap != "backward":
             done()
-            self._prefetch(layout.slices_of[slot.index])
+            self.runner.prefetch(layout.slices_of[slot.index])
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self.parts.config.accumulation_steps:
@@ -443,7 +427,7 @@ class Stepper:
         order (unless the worker still steps the previous step)."""
         if not self._read_ahead and not self.deferred.busy:
             self._read_ahead = True
-            self._prefetch(layout.slices[::-1])
+            self.runner.prefetch(layout.slices[::-1])
 
     def _grad_speculative(
         self, layout: Layout, index: int, grad: torch.Tensor | None, done: Callable[[], None]
@@ -456,7 +440,7 @@ class Stepper:
         if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
             done()
             if self._ends_in_step:
-                self._prefetch(layout.slices_of[index])
+                self.runner.prefetch(layout.slices_of[index])
             else:
                 self._read_ahead_forward(layout)
             return
@@ -493,7 +477,7 @@ class Stepper:
         slots = {seg.slot.index for seg in piece.segments}
         # a slice of one parameter steps when its gradient is final, which the parameter
         # holds its values for (the stream frees it after): its master is not read
-        return self._job(piece, held=slots, live=slots if len(slots) == 1 else ())
+        return self.runner.job(piece, held=slots, live=slots if len(slots) == 1 else ())
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -513,7 +497,7 @@ class Stepper:
             if state.plan is None:
                 self.parts.backend.savepoint()
                 self.speculation.begin([hyper_parameters(g) for g in self.parts.groups])
-                state.plan = self._new_plan()
+                state.plan = self.runner.new_plan()
                 state.plan.write_params = False  # the pre-step copies are written instead
             plan = state.plan
             plan.held = self._held.grads
@@ -523,24 +507,22 @@ class Stepper:
                 for seg in p.segments
                 if seg.slot.param.grad is not None
             }
-            self._undo = self._write_pre_step_params(ready, plan)
-            self._speculating = True
+            undo = self._write_pre_step_params(ready, plan)
             try:
-                self._run_slices(plan, ready)
+                self.runner.run(plan, ready, undo=undo)
             finally:
-                self._speculating = False
-                undo, self._undo = self._undo, {}
                 for future in undo.values():  # (a slice that failed before its work)
                     future.exception()
             state.stepped.update(piece.index for piece in ready)
 
-    def _write_pre_step_params(self, pieces: list[Slice], plan: StepPlan) -> dict[int, Any]:
+    def _write_pre_step_params(self, pieces: list[Slice], plan: StepPlan) -> dict[int, Future[Any]]:
         """Start writing the pre-step value of each live parameter of ``pieces`` that the
         store keeps (:attr:`~tierswap.optim.plan.Slot.persists_param`: no master, or a
         remainder) under its :attr:`~tierswap.optim.plan.Slot.param_key`, straight from the
         parameter's memory: what a rollback restores it from (a streamed one's stored values
         are in the store's savepoint already). Each slice's work waits for its
-        own before it changes the parameter (:meth:`work`); by then it is mostly done."""
+        own before it changes the parameter (:meth:`SliceRunner.work`); by then it is mostly
+        done."""
         writes = {}
         for piece in pieces:
             regions = {
@@ -581,75 +563,8 @@ class Stepper:
         """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
         plan = self.parts.state.plan
         if plan is None:
-            plan = self.parts.state.plan = self._new_plan()
+            plan = self.parts.state.plan = self.runner.new_plan()
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
         plan.held = self._held.grads  # streamed ones not kept in the swap space ("backward")
-        self._run_slices(plan, pieces)
+        self.runner.run(plan, pieces)
         self.parts.state.stepped.update(piece.index for piece in pieces)
-
-    def _run_slices(self, plan: StepPlan, pieces: list[Slice]) -> None:
-        """Stream ``pieces`` through the pipeline, each stepped by :meth:`work` with ``plan``
-        (and the held 8-bit scales, read here once the layout holds them)."""
-        pipeline = self.parts.backend.pipeline
-        try:
-            scales = self._scales_job()
-            if scales is not None:
-                pipeline.hold(scales)  # read once; each slice's work views it
-            # with the names the scales hold, without the gradients in memory
-            jobs = [self._job(piece, held=plan.held) for piece in pieces]
-            pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors))
-        except BaseException:
-            self.parts.state.failed = True  # some slices may have stepped: close() must not commit
-            raise
-
-    def _prefetch(self, pieces: list[Slice]) -> None:
-        """Start the reads of ``pieces`` (the held scales' first), as far as the budget
-        allows; not of a slice whose gradients in the swap space are not all there yet."""
-        scales = self._scales_job()
-        jobs = [self._job(piece) for piece in pieces if _grads_kept(piece)]
-        self.parts.backend.pipeline.prefetch(jobs if scales is None else [scales, *jobs])
-
-    def _scales_job(self) -> Job | None:
-        """The job holding the 8-bit scales when the layout holds them
-        (:attr:`~tierswap.optim.plan.Layout.held_scales`), for the state that exists."""
-        if not self.layout.held_scales:
-            return None
-        return scales_job(self.layout.slots, self.parts.state.names)
-
-    def _new_plan(self) -> StepPlan:
-        plan = self.parts.state.new_plan(
-            self.layout.slots, inners=self.parts.inners, groups=self.parts.groups,
-            write_params=self.commit_due(), create=self.parts.backend.create,
-            chunk_bytes=self.layout.chunk_bytes,
-        )  # fmt: skip
-        if not self._speculative:  # no rollback reads the masters back: they may lag
-            plan.unwritten = self.parts.state.unwritten_masters
-        return plan
-
-    def _job(self, piece: Slice, held: Container[int] = (), live: Container[int] = ()) -> Job:
-        return slice_job(
-            piece, self.parts.state.names, self.layout.placement, scratch=self._scratch_on_cpu,
-            scales_held=self.layout.held_scales > 0, grads_held=held, live=live,
-            masters_lag=self._scratch_on_cpu and not self._speculative and not self.commit_due(),
-        )  # fmt: skip
-
-    def work(self, plan: StepPlan, job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
-        """One slice's step, as the pipeline calls it: its regions to write back (not its
-        scales when the pipeline holds them: updated in place there)."""
-        created = bool(plan.fresh)
-        piece = self.layout.slices[cast(int, job.name)]  # jobs are named by slice index
-        pipeline = self.parts.backend.pipeline
-        held = pipeline.resident(SCALES_JOB) if self.layout.held_scales else None
-        views = scales_views(piece, self.parts.state.names, held or {})
-        if self._speculating:
-            undo = self._undo.pop(piece.index, None)
-            if undo is not None:
-                undo.result()  # the pre-step parameters are on disk before they change
-            self.speculation.record(piece.index, stamps_of(plan, piece))  # can roll back
-        unread = (*job.unread, *unbuffered_masters(piece, tensors))
-        writes = step_slice(plan, piece, {**tensors, **views}, pipeline.scratch(job), unread)
-        writes = {region: t for region, t in writes.items() if region not in views}
-        self.deferred.done(seg.slot.param for seg in piece.segments if seg.slot.index in plan.live)
-        if created:
-            trim_heap()  # the first step's state is freed after its write: free it for real
-        return writes
