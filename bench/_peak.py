@@ -30,6 +30,12 @@ def current_rss() -> int:
     return _status_bytes("VmRSS") or 0
 
 
+def file_rss() -> int:
+    """Bytes: the file-backed part of the resident set now (``RssFile``: mapped libraries'
+    code and data pages, clean and shared; 0 where ``/proc`` is missing)."""
+    return _status_bytes("RssFile") or 0
+
+
 def peak_rss() -> int:
     """Bytes: the highest resident set size of this process so far."""
     peak = _status_bytes("VmHWM")
