@@ -24,7 +24,7 @@ from tests.store.faults import inject, remove
 from tierswap import offload
 from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
-from tierswap.optim.step import _runner
+from tierswap.optim.step import _runner, _speculation
 from tierswap.optim.step._runner import SliceRunner
 from tierswap.optim.stream import OffloadedGradient
 from tierswap.pipeline import Job, Pipeline
@@ -972,6 +972,42 @@ def test_kept_masters_lag_until_a_commit_without_rollbacks(
     for name, value in committed.items():
         assert torch.equal(resumed[name], value), name
     again.close()
+
+
+def test_kept_masters_lag_while_speculation_pauses_and_are_written_before_it_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``overlap="auto"`` a step that cannot speculate (clipping redid the last two, so
+    speculation pauses) rolls nothing back: it writes no master its kept parameter holds, as
+    ``"backward"`` does. The first speculative step after the pause writes them before its
+    savepoint, so that a slice it redoes gets its parameter back from a current master (here
+    clipping triggers in that step too). Bitwise torch's AdamW with the same clipping."""
+    monkeypatch.setattr(_speculation, "FIRST_PAUSE", 2)
+    settings = {"device_budget": ALL_KEPT, "commit_every": 0, "host_budget": 49152}
+    ref, model, plain, opt = _streaming(tmp_path, **settings)
+    numel = sum(p.numel() for p in model.parameters())
+    clip = {1: 1e-3, 2: 1e-3, 5: 1e-3}  # triggers; 1e9 elsewhere (exactly 1.0: no redo)
+    written, lagging, redone = [], [], []
+    for step in range(7):
+        _train(ref, plain, step, clip.get(step, 1e9))
+        _train(model, opt, step, clip.get(step, 1e9))
+        _same_state_dicts(ref, model)
+        opt._backend.pipeline.drain()  # the last writes of a step end during the next one
+        written.append(opt.tier_stats()["nvme"]["bytes_written"])
+        lagging.append(any(opt._parts.state.unwritten_masters.values()))
+        redone.append(opt.tier_stats()["schedule"]["redone"])
+    schedule = opt.tier_stats()["schedule"]
+    # steps 3 and 4 step after backward; step 5's redo pauses speculation again (step 6)
+    assert schedule["paused_steps"] == 3
+    assert redone[5] > redone[4]
+    assert lagging[3]
+    assert lagging[4]
+    needed = 3 * 4 * numel  # the moments and the gradients (kept in the swap space)
+    assert needed <= written[4] - written[3] < needed + 4 * numel  # no master
+    assert not lagging[5]  # written before step 5's savepoint (and its redo)
+    assert lagging[6]
+    opt.close()
+    assert_same_params(ref, model)
 
 
 def test_a_commit_that_fails_leaves_the_masters_lagging_for_the_next(tmp_path: Path) -> None:

@@ -37,50 +37,52 @@ __all__ = ["SliceRunner"]
 class SliceRunner:
     """Runs slices of ``parts`` through its pipeline: ``deferred`` hears which parameters
     each slice updated (a forward waiting for them goes on), ``speculation`` records the
-    slices a speculative run stepped. ``speculative``: the schedule may roll a step back, so
-    no master may lag its parameter. Called from the thread that runs a step (the training
-    thread, backward's, or the optimizer's worker), one run at a time."""
+    slices a speculative run stepped. Whether a step's masters may lag their kept parameters
+    (:attr:`~tierswap.optim.plan.StepPlan.unwritten`) is the caller's to say (``lag``): only
+    where no rollback of that step will read them back. Called from the thread that runs a
+    step (the training thread, backward's, or the optimizer's worker), one run at a time."""
 
     def __init__(
         self,
         parts: OptimizerParts,
         deferred: DeferredSteps,
         speculation: Speculation,
-        *,
-        speculative: bool,
     ) -> None:
         self.parts = parts
         self._deferred = deferred
         self._speculation = speculation
-        self._speculative = speculative
         self._scratch_on_cpu = parts.compute_device.type == "cpu"
 
     def commit_due(self) -> bool:
         """Whether the step under way (or about to start) ends with a commit."""
         return self.parts.commits.due(self.parts.state.steps + 1)
 
-    def new_plan(self) -> StepPlan:
+    def new_plan(self, *, lag: bool) -> StepPlan:
         """A new step's plan over the layout's slots, writing the parameters the store keeps
-        when a commit is due; masters may lag where no rollback reads them back."""
+        when a commit is due; with ``lag`` (no rollback of this step will read them back) a
+        kept parameter's master may lag its values until a commit or a savepoint."""
         layout = self.parts.layout
         plan = self.parts.state.new_plan(
             layout.slots, inners=self.parts.inners, groups=self.parts.groups,
             write_params=self.commit_due(), create=self.parts.backend.create,
             chunk_bytes=layout.chunk_bytes,
         )  # fmt: skip
-        if not self._speculative:  # no rollback reads the masters back: they may lag
+        if lag:
             plan.unwritten = self.parts.state.unwritten_masters
         return plan
 
-    def job(self, piece: Slice, held: Container[int] = (), live: Container[int] = ()) -> Job:
+    def job(
+        self, piece: Slice, held: Container[int] = (), live: Container[int] = (), *, lag: bool
+    ) -> Job:
         """``piece``'s pipeline job (:func:`~tierswap.optim.step._slice_job.slice_job`), the
         gradients of the slots in ``held`` in memory, the parameters of those in ``live``
-        holding their values when it steps."""
+        holding their values when it steps, in a step whose masters may lag (``lag``, as
+        :meth:`new_plan`'s: the job and its read started ahead must be made alike)."""
         layout = self.parts.layout
         return slice_job(
             piece, self.parts.state.names, layout.placement, scratch=self._scratch_on_cpu,
             scales_held=layout.held_scales > 0, grads_held=held, live=live,
-            masters_lag=self._scratch_on_cpu and not self._speculative and not self.commit_due(),
+            masters_lag=lag and self._scratch_on_cpu and not self.commit_due(),
         )  # fmt: skip
 
     def run(
@@ -97,17 +99,19 @@ class SliceRunner:
             if scales is not None:
                 pipeline.hold(scales)  # read once; each slice's work views it
             # with the names the scales hold, without the gradients in memory
-            jobs = [self.job(piece, held=plan.held) for piece in pieces]
+            lag = plan.unwritten is not None
+            jobs = [self.job(piece, held=plan.held, lag=lag) for piece in pieces]
             pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors, undo=undo))
         except BaseException:
             self.parts.state.failed = True  # some slices may have stepped: close() must not commit
             raise
 
-    def prefetch(self, pieces: list[Slice]) -> None:
+    def prefetch(self, pieces: list[Slice], *, lag: bool) -> None:
         """Start the reads of ``pieces`` (the held scales' first), as far as the budget
-        allows; not of a slice whose gradients in the swap space are not all there yet."""
+        allows; not of a slice whose gradients in the swap space are not all there yet.
+        ``lag``: as :meth:`job`'s."""
         scales = self._scales_job()
-        jobs = [self.job(piece) for piece in pieces if _grads_kept(piece)]
+        jobs = [self.job(piece, lag=lag) for piece in pieces if _grads_kept(piece)]
         self.parts.backend.pipeline.prefetch(jobs if scales is None else [scales, *jobs])
 
     def work(

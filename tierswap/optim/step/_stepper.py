@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from tierswap._threads import elementwise, step_threads
-from tierswap.optim.persist import OptimizerParts, commit, hyper_parameters, restore_params
+from tierswap.optim.persist import (
+    OptimizerParts,
+    commit,
+    hyper_parameters,
+    restore_params,
+    write_lagging_masters,
+)
 from tierswap.optim.plan import Layout, Slice, StepPlan, flat, interleave
 from tierswap.optim.step._deferred import DeferredSteps, frozen_group, own_parameters
 from tierswap.optim.step._held import HeldGradients
@@ -85,9 +91,7 @@ class Stepper:
             and not reduced_after_backward(parts.layout.slots)
         )
         #: Runs the slices through the pipeline, whenever they step.
-        self.runner = SliceRunner(
-            parts, self.deferred, self.speculation, speculative=self._speculative
-        )
+        self.runner = SliceRunner(parts, self.deferred, self.speculation)
         #: Streamed parameters (``offload_parameters``): speculative slices step in the
         #: gradient hook, on the thread backward runs on, which also streams the parameters
         #: through the pipeline (one thread uses it at a time), with each gradient from
@@ -231,7 +235,7 @@ class Stepper:
         slots, their gradients and the ``groups`` of now; ``redo``'s slices step again with
         the live set of now."""
         state = self.parts.state
-        plan = state.plan if state.plan is not None else self.runner.new_plan()
+        plan = state.plan if state.plan is not None else self.runner.new_plan(lag=self._lags())
         state.plan = None
         plan.live = set(live)
         plan.write_params = due
@@ -349,6 +353,16 @@ class Stepper:
         """Whether the step under way (or about to start) ends with a commit."""
         return self.runner.commit_due()
 
+    def _lags(self) -> bool:
+        """Whether the slices this step runs from now on may let the masters of kept
+        parameters lag their values: no rollback of this step reads them back, since none of
+        its slices speculates (a schedule that never speculates, or speculation paused or
+        blocked for this step). The next savepoint writes them first (:meth:`_speculate`)."""
+        spec = self.speculation
+        return (
+            not self._speculative or self._blocked or not spec.allowed(self.parts.state.steps + 1)
+        )
+
     def _live_slots(self) -> set[int]:
         """The slots this step updates: those whose parameter has a gradient."""
         return {s.index for s in self.layout.slots if s.param.grad is not None}
@@ -400,7 +414,7 @@ class Stepper:
             return
         if overlap != "backward":
             done()
-            self.runner.prefetch(layout.slices_of[slot.index])
+            self.runner.prefetch(layout.slices_of[slot.index], lag=self._lags())
             return
         count = self._grad_counts[slot.index] = self._grad_counts.get(slot.index, 0) + 1
         if count % self.parts.config.accumulation_steps:
@@ -427,7 +441,7 @@ class Stepper:
         order (unless the worker still steps the previous step)."""
         if not self._read_ahead and not self.deferred.busy:
             self._read_ahead = True
-            self.runner.prefetch(layout.slices[::-1])
+            self.runner.prefetch(layout.slices[::-1], lag=self._lags())
 
     def _grad_speculative(
         self, layout: Layout, index: int, grad: torch.Tensor | None, done: Callable[[], None]
@@ -440,7 +454,7 @@ class Stepper:
         if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
             done()
             if self._ends_in_step:
-                self.runner.prefetch(layout.slices_of[index])
+                self.runner.prefetch(layout.slices_of[index], lag=self._lags())
             else:
                 self._read_ahead_forward(layout)
             return
@@ -477,7 +491,8 @@ class Stepper:
         slots = {seg.slot.index for seg in piece.segments}
         # a slice of one parameter steps when its gradient is final, which the parameter
         # holds its values for (the stream frees it after): its master is not read
-        return self.runner.job(piece, held=slots, live=slots if len(slots) == 1 else ())
+        live = slots if len(slots) == 1 else ()
+        return self.runner.job(piece, held=slots, live=live, lag=self._lags())
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice that streams (a resident one's pre-step state is not in the store) and
@@ -495,9 +510,12 @@ class Stepper:
             return
         with torch.no_grad(), step_allocations():
             if state.plan is None:
+                # a rollback restores kept parameters from their stored masters: those that
+                # steps without speculation let lag reach the store before its savepoint
+                write_lagging_masters(self.parts)
                 self.parts.backend.savepoint()
                 self.speculation.begin([hyper_parameters(g) for g in self.parts.groups])
-                state.plan = self.runner.new_plan()
+                state.plan = self.runner.new_plan(lag=False)
                 state.plan.write_params = False  # the pre-step copies are written instead
             plan = state.plan
             plan.held = self._held.grads
@@ -563,7 +581,7 @@ class Stepper:
         """Step ``pieces`` through the pipeline (from ``step()`` or a backward hook)."""
         plan = self.parts.state.plan
         if plan is None:
-            plan = self.parts.state.plan = self.runner.new_plan()
+            plan = self.parts.state.plan = self.runner.new_plan(lag=self._lags())
         plan.live |= live if live is not None else {s.index for p in pieces for s in p.slots}
         plan.held = self._held.grads  # streamed ones not kept in the swap space ("backward")
         self.runner.run(plan, pieces)
