@@ -60,9 +60,10 @@ class Stepper:
     optimizer of each group and the param groups), which the optimizer owns.
 
     It owns the optimizer's worker (:attr:`deferred`: speculative slices, the slices of
-    ``overlap="backward"``, the step that runs into the next forward) and what a step under way
-    knows of the gradient hooks. Called from the
-    training thread (``step()`` and the hooks), and from the worker for the slices it runs.
+    ``overlap="backward"``, the step that runs into the next forward), the :attr:`runner` that
+    takes slices through the pipeline, and what a step under way knows of the gradient hooks.
+    Called from the training thread (``step()`` and the hooks), and from the worker for the
+    slices it runs.
     """
 
     def __init__(self, parts: OptimizerParts) -> None:
