@@ -118,7 +118,7 @@ class Stepper:
     # -- step() ---------------------------------------------------------------------------
     def step_now(self) -> None:
         """Step every slice whose parameters have gradients, here and now; commit when due."""
-        due = self.commit_due()
+        due = self.runner.commit_due()
         live = self._live_slots()
         pieces = [
             piece
@@ -158,7 +158,7 @@ class Stepper:
         in backward order; ``"forward"`` hands it to the worker, in forward order, while the
         next forward runs (each module waits for its own parameters)."""
         layout, state, spec = self.layout, self.parts.state, self.speculation
-        due = self.commit_due()
+        due = self.runner.commit_due()
         live = self._live_slots()
         grads = {s.index: s.param.grad for s in layout.slots}
         groups = [frozen_group(group) for group in self.parts.groups]
@@ -349,10 +349,6 @@ class Stepper:
         self._blocked = False
         self._read_ahead = False
         self.parts.state.stepped.clear()
-
-    def commit_due(self) -> bool:
-        """Whether the step under way (or about to start) ends with a commit."""
-        return self.runner.commit_due()
 
     def _lags(self) -> bool:
         """Whether the slices this step runs from now on may let the masters of kept
