@@ -10,6 +10,7 @@ import copy
 import itertools
 import os
 import random
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -573,6 +574,40 @@ def test_a_gradient_larger_than_the_room_beside_resident_slices_is_kept(tmp_path
             o.zero_grad()
     assert opt.placement  # some slices stay resident
     assert len(opt.placement) < len(opt.slices)  # the others stream
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_a_step_in_backward_holds_no_gradient_for_slices_that_step_after_it(
+    tmp_path: Path,
+) -> None:
+    """A weight whose slices are partly resident (they step in ``step()``, from the gradient
+    kept in their tensors) and partly streamed (they speculate in backward with the gradient
+    in memory): once the streamed ones have stepped, nothing holds the gradient through the
+    rest of backward, which would be a whole gradient beyond the budgets. Bitwise as torch."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.Linear(768, 4))
+    model = copy.deepcopy(ref)
+    grads: list[Any] = []  # autograd's gradients, as accumulated (before the optimizer's hook)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: grads.append(weakref.ref(p.grad)))
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=8 << 20,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    x = torch.randn(2, 1024)
+    for step in range(4):
+        grads.clear()
+        for m, o in ((ref, plain), (model, opt)):
+            m(x).square().mean().backward()
+            if o is opt and step:  # from the second step on, slices speculate in backward
+                assert len(grads) == 4
+                assert all(grad() is None for grad in grads)
+            o.step()
+            o.zero_grad()
+    assert 0 < len(opt.placement) < len(opt.slices)
+    assert opt.tier_stats()["schedule"]["speculated"] > 0
     opt.close()
     assert_same_params(ref, model)
 

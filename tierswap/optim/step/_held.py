@@ -16,7 +16,7 @@ Private to :mod:`tierswap.optim.step`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
 import torch
 
@@ -40,11 +40,12 @@ class HeldGradients:
         self.grads.clear()
         self._ahead_from = 0
 
-    def let_go(self, layout: Layout, stepped: list[Slice], handed: Container[int]) -> None:
-        """Drop the gradients of the slots of ``stepped`` whose slices have all been handed
-        over (``handed``: slice indices)."""
+    def let_go(self, layout: Layout, stepped: list[Slice], waits: Callable[[Slice], bool]) -> None:
+        """Drop the gradients of the slots of ``stepped`` of which no slice ``waits`` for its
+        step in backward with them (a slice that steps after backward from the kept gradient
+        does not: holding it there would keep a whole gradient beyond the budgets)."""
         for index in {seg.slot.index for piece in stepped for seg in piece.segments}:
-            if index in self.grads and all(p.index in handed for p in layout.slices_of[index]):
+            if index in self.grads and not any(map(waits, layout.slices_of[index])):
                 del self.grads[index]
 
     def read_ahead(

@@ -476,9 +476,17 @@ class Stepper:
                 self.deferred.queue(lambda: step(ready))
                 return
             step(ready)
-            self._held.let_go(layout, ready, self._queued)
+            self._held.let_go(layout, ready, self._waits_in_backward)
         if self._inline:
             self._held.read_ahead(layout, self.parts.backend.pipeline, self._job_ahead)
+
+    def _waits_in_backward(self, piece: Slice) -> bool:
+        """Whether ``piece`` is still to step in backward with its gradients in memory: not
+        handed over yet, and (when this step speculates) one that speculates; the others
+        step after backward from the kept gradients (:meth:`_checked_plan`)."""
+        if piece.index in self._queued:
+            return False
+        return not self._speculative or self._speculable(piece)
 
     def _job_ahead(self, piece: Slice) -> Job | None:
         """The job of ``piece`` to read ahead in backward (its gradients will be in
