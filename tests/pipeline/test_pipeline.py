@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -171,6 +173,28 @@ def test_release_drops_only_the_named_reads(store) -> None:
     pipeline.run(jobs[1:3], _double)
     pipeline.drain()
     assert store.stats()["reads"] == 2 + 2 + 2  # the dropped job's chunks read again
+
+
+def test_a_lent_job_holds_its_room_until_given_back_from_another_thread(store) -> None:
+    """``lend``: a job read ahead (``landed`` once its reads are in) is lent without waiting;
+    its bytes stay held until the function it returns gives them back, from any thread. A run
+    that needs the room meanwhile waits for it (the copy reading the lent buffers will end)
+    instead of refusing the job, and nothing is read twice."""
+    pipeline = Pipeline(store, budget=2 * CHUNK)  # one job
+    jobs = _jobs()[1:]
+    pipeline.prefetch(jobs[:1])
+    while not pipeline.landed(jobs[0].name):
+        time.sleep(0.001)
+    tensors, give_back = pipeline.lend(jobs[0])
+    assert torch.equal(tensors[jobs[0].reads[0]], torch.arange(0.0, 2048.0))
+    assert pipeline.held == 2 * CHUNK
+    timer = threading.Timer(0.05, give_back)  # as a copy's completion would, later
+    timer.start()
+    pipeline.run(jobs[1:], _double)  # the lent job holds all the room: waits for it
+    timer.join()
+    pipeline.drain()
+    assert pipeline.held == 0
+    assert store.stats()["reads"] == 2 * 4  # every chunk of the four jobs once
 
 
 def test_write_behind_copies_within_the_budget_and_orders_later_reads(store) -> None:

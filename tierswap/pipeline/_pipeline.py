@@ -25,6 +25,7 @@ one condition variable."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -119,6 +120,7 @@ class Pipeline:
         self._staging: DeviceStaging[Region] = DeviceStaging(self._transfers, self._ledgers[DEVICE])
         self._work_on_device = work_on_device and self._transfers.moves
         self._reading: dict[Hashable, _Reading] = {}
+        self._lent = 0  # jobs lent (:meth:`lend`) and not given back yet
         self._kept: dict[TierName, ResidentSet[Hashable, dict[Region, torch.Tensor]]] = {
             tier: ResidentSet(ledger) for tier, ledger in self._ledgers.items()
         }  # the resident jobs' tensors, by tier
@@ -180,6 +182,29 @@ class Pipeline:
             # to the next job, whose copies would else be made while these still hold them
             del staged, writes
             self._read_ahead(jobs[position + 1 :])
+
+    def landed(self, name: Hashable) -> bool:
+        """Whether job ``name`` is in memory now: resident, or read ahead and landed (:meth:`lend`
+        would not wait)."""
+        reading = self._reading.get(name)
+        return self.resident_tier(name) is not None or (reading is not None and reading.done.done())
+
+    def lend(self, job: Job) -> tuple[dict[Region, torch.Tensor], Callable[[], None]]:
+        """The tensors of ``job``, a streamed job, read (or taken from a read started ahead),
+        for a caller that still uses them after this returns (the source of a copy in flight),
+        and the function that gives them back (once, from any thread: their buffers go back to
+        the pool, their bytes to the host budget). No work runs on them and nothing is written."""
+        assert self.resident_tier(job.name) is None, job.name
+        tensors = self._acquire(job)
+        with self._cv:
+            self._lent += 1  # room that will come back: reads wait for it (_make_room)
+        return tensors, functools.partial(self._give_back_lent, job, tensors)
+
+    def _give_back_lent(self, job: Job, tensors: dict[Region, torch.Tensor]) -> None:
+        self._give_back(job, tensors)
+        with self._cv:
+            self._lent -= 1
+            self._cv.notify_all()
 
     def hold(self, job: Job) -> dict[Region, torch.Tensor]:
         """The tensors of ``job``'s regions, kept in host memory from this call on: read once
@@ -380,7 +405,7 @@ class Pipeline:
                     f"{self.budget} bytes beside {resident} bytes of resident jobs and work "
                     "buffer; raise the budget"
                 )
-            if self._disk.in_flight:
+            if self._disk.in_flight or self._lent:
                 self._cv.wait()
             elif self._reading:
                 self._cv.release()

@@ -8,14 +8,20 @@ thread's, so a host buffer reused before its copy has read it shows only on a GP
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engine.recording import RecordingTransfers
-from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
+from tests.engine.recording import (
+    RecordingTransfers,
+    copies_issued_ahead,
+    ptrs_of,
+    steps_after_their_copies,
+)
+from tests.optim.models import assert_same_params, batch_for_step, make_models
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.stream import _swap
 
@@ -29,7 +35,7 @@ def transfers(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingTransfers]:
     recording.close()
 
 
-def _train(model: TinyNet, opt: torch.optim.Optimizer, step: int) -> None:
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     model(batch_for_step(step)).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     opt.step()
@@ -59,3 +65,42 @@ def test_values_reach_the_device_on_the_upload_stream(
     assert kinds.count("allocating") >= copies  # each copy's target allocated for uploads
     if host_budget is None:  # resident slices: their copies come from host memory
         assert opt.placement
+
+
+@pytest.mark.parametrize("host_budget", [20480, None], ids=["streamed", "resident"])
+def test_the_next_modules_values_are_uploaded_while_the_one_before_runs(
+    tmp_path: Path, transfers: RecordingTransfers, host_budget: int | None
+) -> None:
+    """Once the first iteration has recorded the order of uses, a module's parameters are
+    copied to the device ahead of it: their copies are issued before the module before it
+    ends (the kernels they hide behind), and the compute stream waits for them only when the
+    module runs (the stand-in's copies land late, holding NaN until then: a module that used
+    them unwaited would change the results). Bitwise torch's."""
+    torch.manual_seed(0)  # every parameter trains: with room, every slice is resident
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh(),
+        torch.nn.Linear(24, 4),
+    )  # fmt: skip
+    model = copy.deepcopy(ref)
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path, host_budget=host_budget,
+        offload_parameters=True,
+    )  # fmt: skip
+    for module in model[::2]:  # after the optimizer's hooks: the module's compute
+        module.register_forward_pre_hook(
+            lambda m, _: transfers.note("step", ptrs_of(m.parameters()))
+        )
+        module.register_forward_hook(lambda *_: transfers.note("stepped"))
+    with opt:
+        for step in range(4):  # (reading the parameters between steps would keep them)
+            _train(ref, plain, step)
+            _train(model, opt, step)
+        stats = opt.tier_stats()["parameters"]
+    assert_same_params(ref, model)
+    ahead, uses = copies_issued_ahead(transfers.log)
+    assert stats["uploaded_ahead_bytes"] > 0
+    # resident: the second and third layers in each of the last three forwards; streamed
+    # through 20 KiB, those whose reads ahead had landed (the others wait for their reads)
+    assert ahead >= (6 if host_budget is None else 1), (ahead, uses)
+    assert steps_after_their_copies(transfers.log) == []

@@ -14,7 +14,9 @@ the optimizer's :class:`~tierswap.pipeline.Pipeline` (one job per slice segment,
 host budget, in order after the write-behinds that overlap it). The order in which modules
 are used is recorded over the first iteration (up to the first ``step()``); later uses read
 the next modules' parameters ahead, as the lookahead policy does for the step's slices.
-Reads started ahead are dropped when a step begins, since the step rewrites the masters.
+Reads started ahead are dropped when a step begins, since the step rewrites the masters. On a
+GPU the module used next is also copied to the device ahead, once its values are in host memory,
+so that its upload hides behind the kernels of the module in use (``_upload_ahead``).
 
 Gradients never pile up: as backward finalizes a parameter's gradient (the optimizer's
 post-accumulate-grad hook), the gradient goes to the swap space too
@@ -69,6 +71,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from tierswap.engine import ToDevice
 from tierswap.optim.persist import OptimizerParts, write_lagging_masters, write_master
 from tierswap.optim.plan import Slot
 from tierswap.optim.stream._gradients import KeptGradients
@@ -81,9 +84,12 @@ from tierswap.optim.stream._swap import (
     allocate_for_upload,
     grad_room,
     keep_values,
+    landed,
     read_into,
     read_job,
+    ready_all,
     segments,
+    uploads_overlap,
 )
 
 __all__ = ["PREFETCH_MODULES", "ParameterStream"]
@@ -129,6 +135,9 @@ class ParameterStream:
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order = UseOrder()  # modules in the order of their uses, recorded once
         self._ahead: set[Any] = set()  # names of the jobs read ahead
+        #: Slots whose parameter was uploaded to its GPU ahead of its module's use, with the
+        #: copies (one list per module) that the compute stream must wait for before it.
+        self._uploads: dict[int, list[ToDevice]] = {}
         self._handles: list[Any] = []
         #: The bytes of ``device_budget`` for parameters in use and kept between uses.
         self._budget = budget
@@ -137,6 +146,7 @@ class ParameterStream:
         self.gradients = KeptGradients(parts, functools.partial(self._read_into, grad=True))
         self.fetched_bytes = 0  # read from the store
         self.copied_bytes = 0  # copied from resident slices
+        self.uploaded_ahead_bytes = 0  # of those two, uploaded ahead of their module's use
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -165,7 +175,7 @@ class ParameterStream:
             return
         self._unhook()
         self.drop_ahead()
-        self._free(self._kept)
+        self._free(self._kept | set(self._uploads))
         self._kept.clear()
         self._modules = owners(model, self.parts.layout.slot_of)
         self._order.restart()
@@ -351,6 +361,7 @@ class ParameterStream:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
         recording of the order of uses."""
         self.drop_ahead()
+        self._free(list(self._uploads))  # read from the masters the step rewrites
         if self._loose:
             self._let_go(self._release_loose())
         self._keep_edits(list(self._live))  # the step reads the masters, updates the values
@@ -397,6 +408,7 @@ class ParameterStream:
             "kept_bytes": sum(self._bytes(i) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
+            "uploaded_ahead_bytes": self.uploaded_ahead_bytes,
             "kept_grad_bytes": self.gradients.kept_bytes,
             "live_bytes": self.live_bytes,
             "peak_bytes": self.peak_bytes,
@@ -414,18 +426,28 @@ class ParameterStream:
             size = self._sizes[index] = nbytes(self._slot(index).param)
         return size
 
-    def _read_into(self, targets: dict[int, torch.Tensor], *, grad: bool = False) -> None:
+    def _read_into(
+        self,
+        targets: dict[int, torch.Tensor],
+        *,
+        grad: bool = False,
+        later: list[ToDevice] | None = None,
+    ) -> None:
         """Fill each flat tensor of ``targets`` (slot index -> tensor) with that slot's
-        master (or, with ``grad``, its kept gradient), counting the bytes."""
+        master (or, with ``grad``, its kept gradient), counting the bytes (``later``: the
+        copies, not waited for, as :func:`read_into` makes them)."""
         pipeline, layout = self.parts.backend.pipeline, self.parts.layout
-        copied, fetched = read_into(pipeline, layout, targets, self._ahead, grad=grad)
+        copied, fetched = read_into(pipeline, layout, targets, self._ahead, grad=grad, later=later)
         self.copied_bytes += copied
         self.fetched_bytes += fetched
 
-    def _fetch(self, indices: list[int]) -> None:
+    def _fetch(self, indices: list[int], *, later: list[ToDevice] | None = None) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
-        kept between uses have them), first freeing kept ones, those used latest first, as
-        far as ``device_budget`` needs: it holds the parameters in use and the kept ones."""
+        kept between uses have them; those uploaded ahead are made ready), first freeing kept
+        ones, those used latest first, as far as ``device_budget`` needs: it holds the
+        parameters in use and the kept ones. ``later``: the copies of an upload ahead
+        (:meth:`_upload_ahead`), not waited for."""
+        self._ready_uploads(indices)
         self._kept.difference_update(indices)
         missing = [i for i in indices if i not in self._live]
         if not missing:
@@ -436,7 +458,8 @@ class ParameterStream:
             self._kept.discard(latest)
             self._free([latest])
         try:
-            self._read_into({i: allocate_for_upload(self._slot(i).param) for i in missing})
+            targets = {i: allocate_for_upload(self._slot(i).param) for i in missing}
+            self._read_into(targets, later=later)
         except BaseException:
             for index in missing:
                 free(self._slot(index).param)
@@ -467,6 +490,7 @@ class ParameterStream:
         masters steps left lagging their values (:func:`write_lagging_masters`); without
         ``keep_edits`` (the masters were replaced) both are dropped."""
         live = [i for i in indices if i in self._live]
+        self._ready_uploads(live)  # their copies end before anything reads or frees them
         if keep_edits:
             self._keep_edits(live)
             write_lagging_masters(self.parts, live)
@@ -523,6 +547,39 @@ class ParameterStream:
         if jobs:
             pipeline.prefetch(jobs)
             self._ahead.update(job.name for job in jobs)
+        if upcoming:
+            self._upload_ahead(upcoming[0])
+
+    def _upload_ahead(self, position: int) -> None:
+        """On a GPU, start copying the parameters of module ``position`` (used next) to the
+        device now, before the kernels of the module in use are queued, so that the upload
+        stream copies them while those compute; the compute stream waits for the copies only
+        when the module is used (:meth:`_fetch`). Only when every value is in memory already
+        (resident, or read ahead and landed): waiting for the disk here would hold back the
+        module in use. One module ahead at most (one the order skipped is freed); like the
+        modules in use, it may take more than ``device_budget`` leaves."""
+        indices = [i for i in self._modules[position][1] if i not in self._live]
+        if not indices or not uploads_overlap(self._slot(indices[0]).param):
+            return
+        pipeline, layout = self.parts.backend.pipeline, self.parts.layout
+        if not all(landed(pipeline, layout, self._slot(i)) for i in indices):
+            return
+        self._free(list(self._uploads))
+        copies: list[ToDevice] = []
+        self._fetch(indices, later=copies)
+        self._uploads.update((i, copies) for i in indices)
+        self.uploaded_ahead_bytes += sum(self._bytes(i) for i in indices)
+
+    def _ready_uploads(self, indices: Iterable[int]) -> None:
+        """The parameters of slots ``indices`` that were uploaded ahead are used now: order the
+        compute work queued from now on after their copies."""
+        for index in indices:
+            copies = self._uploads.pop(index, None)
+            if copies:
+                ready_all(copies)
+                copies.clear()  # the module's other parameters share the list: done once
+            if copies is not None:  # their copies have written them (a stand-in copies late)
+                self._versions[index] = self._slot(index).param._version
 
     def read_values(self, index: int) -> torch.Tensor:
         """A CPU copy of slot ``index``'s parameter values (for a state dict of the model),

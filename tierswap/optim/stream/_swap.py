@@ -10,18 +10,22 @@ Values go to a parameter on a GPU through the engine's transfer layer: its memor
 for uploads (:func:`allocate_for_upload`) and each segment is copied on the upload stream, so
 the copy runs while the kernels of the modules before it still compute; the compute stream
 waits for it before the module's kernels (the calling thread waits only until the copy has read
-the host buffer, which then goes back to the pool).
+the host buffer, which then goes back to the pool). A module uploaded ahead of its use
+(:func:`read_into` with ``later``) waits for neither: its host buffers are lent by the pipeline
+until each copy has read them, and the compute stream waits when the module runs
+(:func:`ready_all`).
 
 Private to :mod:`tierswap.optim.stream`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tierswap.engine import transfers_for
+from tierswap.engine import ToDevice, transfers_for
 from tierswap.io import footprint
 from tierswap.optim.plan import Layout, Segment, Slot, master_dtype
 from tierswap.optim.stream._storage import allocate
@@ -33,9 +37,12 @@ __all__ = [
     "grad_room",
     "keep_grad",
     "keep_values",
+    "landed",
     "read_into",
     "read_job",
+    "ready_all",
     "segments",
+    "uploads_overlap",
 ]
 
 
@@ -120,12 +127,18 @@ def read_into(
     ahead: set[Any],
     *,
     grad: bool = False,
+    later: list[ToDevice] | None = None,
 ) -> tuple[int, int]:
     """Fill each flat tensor of ``targets`` (slot index -> tensor; on a GPU, memory allocated
     for uploads: :func:`allocate_for_upload`, :func:`empty_for_upload`) with that slot's master
     (or, with ``grad``, its kept gradient): copied from the resident slices, read from the
     store for the others (the reads named in ``ahead``, started ahead, are consumed: their
-    names leave it). Bytes copied, bytes read."""
+    names leave it). Bytes copied, bytes read.
+
+    With ``later`` (a GPU's parameters uploaded ahead of their module, every read landed:
+    :func:`landed`) nothing waits: the copies are appended to ``later``, which the caller makes
+    ready (:func:`ready_all`) before the values are used, and each read's host buffer goes back
+    to the pipeline once its copy has read it."""
     jobs: list[Job] = []
     into: dict[Any, torch.Tensor] = {}
     copied = 0
@@ -135,30 +148,73 @@ def read_into(
             kept = pipeline.resident(piece)
             if kept is not None:
                 value = kept[_region(slot, seg, grad=grad)]
-                _fill(target[seg.start : seg.stop], value)
+                _fill(target[seg.start : seg.stop], value, later)
                 copied += value.numel() * value.element_size()
             else:
                 jobs.append(read_job(slot, seg, grad=grad))
                 into[jobs[-1].name] = target[seg.start : seg.stop]
     ahead.difference_update(into)
+    fetched = sum(t.numel() * t.element_size() for t in into.values())
+    if later is not None:
+        for job in jobs:
+            tensors, give_back = pipeline.lend(job)
+            try:
+                _fill(into[job.name], tensors[job.reads[0]], later)
+            except BaseException:
+                give_back()
+                raise
+            _call_when_done(later[-1], give_back)
+        return copied, fetched
 
     def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
-        _fill(into[job.name], tensors[job.reads[0]])
+        _fill(into[job.name], tensors[job.reads[0]], None)
         return {}
 
     with torch.no_grad():
         pipeline.run(jobs, work)
-    return copied, sum(t.numel() * t.element_size() for t in into.values())
+    return copied, fetched
 
 
-def _fill(target: torch.Tensor, value: torch.Tensor) -> None:
+def _fill(target: torch.Tensor, value: torch.Tensor, later: list[ToDevice] | None) -> None:
     """Copy host ``value`` into ``target`` (memory allocated for uploads) through the transfer
     layer of ``target``'s device (on the CPU a plain copy); the compute stream waits for the
-    copy, this thread only until the copy has read ``value``."""
+    copy, this thread only until the copy has read ``value``. With ``later``: neither waits,
+    the copy is appended to it."""
     transfers = transfers_for(target.device)
     copy = transfers.to_device(value, target, upload_memory=True)
+    if later is not None:
+        later.append(copy)
+        return
     transfers.ready(copy)
     copy.done.result()
+
+
+def _call_when_done(copy: ToDevice, then: Callable[[], None]) -> None:
+    """Call ``then`` once ``copy`` has read its source (on whichever thread completes it)."""
+    copy.done.add_done_callback(lambda _: then())
+
+
+def uploads_overlap(param: torch.Tensor) -> bool:
+    """Whether copies to ``param``'s device run beside its compute (a GPU's side stream), so
+    that uploading a module's parameters ahead of its use hides them behind the module
+    before; on the CPU nothing is copied, and reading ahead would only take memory."""
+    return transfers_for(param.device).moves
+
+
+def landed(pipeline: Pipeline, layout: Layout, slot: Slot) -> bool:
+    """Whether every segment of ``slot``'s master is in memory now (resident, or read ahead
+    and landed): :func:`read_into` with ``later`` would wait for no read."""
+    return all(
+        pipeline.resident_tier(piece) is not None or pipeline.landed(read_job(slot, seg).name)
+        for piece, seg in segments(layout, slot)
+    )
+
+
+def ready_all(copies: list[ToDevice]) -> None:
+    """Order the compute work queued from now on after each of ``copies`` (made by
+    :func:`read_into` with ``later``)."""
+    for copy in copies:
+        transfers_for(copy.device_tensor.device).ready(copy)
 
 
 def _region(slot: Slot, seg: Segment, *, grad: bool) -> Region:
