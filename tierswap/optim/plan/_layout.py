@@ -175,9 +175,9 @@ def _spread(
     disk traffic; spread out, the disk keeps working while a resident slice steps, where the
     order is not the step's to choose (slices stepping in backward, as each gradient becomes
     final). Not where resident slices wait for ``step()`` while the others step in backward
-    (``overlap="auto"``): spread, each would keep its parameter's gradient in memory through
-    backward. Each tier holds about what the policy gave it (tiers in ``capacities``' order,
-    device first), never more than its capacity."""
+    (``overlap="auto"``): ``step()`` then reads nothing for them to hide, so where they fall
+    in the order buys nothing. Each tier holds about what the policy gave it (tiers in
+    ``capacities``' order, device first), never more than its capacity."""
     quota = {
         tier: sum(held(p) for p in order if placement.get(p.index) == tier) for tier in capacities
     }

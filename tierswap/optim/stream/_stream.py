@@ -135,8 +135,7 @@ class ParameterStream:
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order = UseOrder()  # modules in the order of their uses, recorded once
         self._ahead: set[Any] = set()  # names of the jobs read ahead
-        #: Slots whose parameter was uploaded to its GPU ahead of its module's use, with the
-        #: copies (one list per module) that the compute stream must wait for before it.
+        #: Slots uploaded to the GPU ahead of their module's use: the copies (a list a module).
         self._uploads: dict[int, list[ToDevice]] = {}
         self._handles: list[Any] = []
         #: The bytes of ``device_budget`` for parameters in use and kept between uses.
@@ -551,13 +550,13 @@ class ParameterStream:
             self._upload_ahead(upcoming[0])
 
     def _upload_ahead(self, position: int) -> None:
-        """On a GPU, start copying the parameters of module ``position`` (used next) to the
-        device now, before the kernels of the module in use are queued, so that the upload
-        stream copies them while those compute; the compute stream waits for the copies only
-        when the module is used (:meth:`_fetch`). Only when every value is in memory already
-        (resident, or read ahead and landed): waiting for the disk here would hold back the
-        module in use. One module ahead at most (one the order skipped is freed); like the
-        modules in use, it may take more than ``device_budget`` leaves."""
+        """On a GPU, start copying module ``position``'s parameters (used next) to the device
+        before the kernels of the module in use are queued, so that the upload stream copies
+        while those compute; the compute stream waits for them when the module is used
+        (:meth:`_fetch`). Only when every value is in host memory (resident, or read ahead and
+        landed): a wait for the disk here would hold back the module in use. One module at
+        most (one the order skipped is freed); it may exceed ``device_budget``, as modules in
+        use may."""
         indices = [i for i in self._modules[position][1] if i not in self._live]
         if not indices or not uploads_overlap(self._slot(indices[0]).param):
             return
@@ -571,8 +570,7 @@ class ParameterStream:
         self.uploaded_ahead_bytes += sum(self._bytes(i) for i in indices)
 
     def _ready_uploads(self, indices: Iterable[int]) -> None:
-        """The parameters of slots ``indices`` that were uploaded ahead are used now: order the
-        compute work queued from now on after their copies."""
+        """Order the compute work queued from now on after the uploads ahead of ``indices``."""
         for index in indices:
             copies = self._uploads.pop(index, None)
             if copies:
