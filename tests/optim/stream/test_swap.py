@@ -104,3 +104,38 @@ def test_the_next_modules_values_are_uploaded_while_the_one_before_runs(
     # through 20 KiB, those whose reads ahead had landed (the others wait for their reads)
     assert ahead >= (6 if host_budget is None else 1), (ahead, uses)
     assert steps_after_their_copies(transfers.log) == []
+
+
+def test_an_upload_ahead_that_fails_falls_back_and_leaves_nothing_held(
+    tmp_path: Path, transfers: RecordingTransfers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload ahead whose read fails (as a read started ahead that landed with an error)
+    gives up: the reads of that module not yet lent are dropped, nothing stays lent, and the
+    module's own use reads its values again. Bitwise torch's; the host budget holds as much
+    after such a step as after one without."""
+    ref, model = make_models()
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path, host_budget=20480,
+        offload_parameters=True,
+    )  # fmt: skip
+    pipeline = opt._backend.pipeline
+    lend, failed = pipeline.lend, []
+
+    def fail_once(job):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(job.name)
+            pipeline.release([job.name])  # the failed read gave its buffers back
+            raise OSError("read failed")
+        return lend(job)
+
+    with opt:
+        for step in range(4):
+            if step == 2:
+                held = pipeline.held
+                monkeypatch.setattr(pipeline, "lend", fail_once)
+            _train(ref, plain, step)
+            _train(model, opt, step)
+        assert failed  # an upload ahead was tried, and failed
+        assert pipeline.held == held
+    assert_same_params(ref, model)

@@ -473,6 +473,7 @@ class ParameterStream:
         use comes soonest within what ``device_budget`` leaves beside the parameters still in
         use (Belady on the recorded order, among them and those kept already; while the first
         iteration records it, those that fit), free the others."""
+        self._ready_uploads(indices)  # idle from now on: kept or freed as any other
         idle = self._kept | set(indices)
         if not self._budget:
             self._free(idle)
@@ -513,6 +514,7 @@ class ParameterStream:
         since they were read (an in-place op outside the optimizer: an init, a clamp, an
         average copied back; the parameter's ``_version`` moved, or :meth:`edited`) where
         their values are kept (:func:`keep_values`; reads of them started ahead are stale)."""
+        self._ready_uploads(indices)  # an upload's own copy is no edit, nor read unfinished
         edited = [
             i
             for i in indices
@@ -565,7 +567,10 @@ class ParameterStream:
             return
         self._free(list(self._uploads))
         copies: list[ToDevice] = []
-        self._fetch(indices, later=copies)
+        try:
+            self._fetch(indices, later=copies)
+        except Exception:  # a hint: the module's own use reads them again (raising then)
+            return
         self._uploads.update((i, copies) for i in indices)
         self.uploaded_ahead_bytes += sum(self._bytes(i) for i in indices)
 

@@ -156,14 +156,7 @@ def read_into(
     ahead.difference_update(into)
     fetched = sum(t.numel() * t.element_size() for t in into.values())
     if later is not None:
-        for job in jobs:
-            tensors, give_back = pipeline.lend(job)
-            try:
-                _fill(into[job.name], tensors[job.reads[0]], later)
-            except BaseException:
-                give_back()
-                raise
-            _call_when_done(later[-1], give_back)
+        _lend_into(pipeline, jobs, into, later)
         return copied, fetched
 
     def work(job: Job, tensors: dict[Region, torch.Tensor]) -> dict[Region, torch.Tensor]:
@@ -187,6 +180,27 @@ def _fill(target: torch.Tensor, value: torch.Tensor, later: list[ToDevice] | Non
         return
     transfers.ready(copy)
     copy.done.result()
+
+
+def _lend_into(
+    pipeline: Pipeline, jobs: list[Job], into: dict[Any, torch.Tensor], later: list[ToDevice]
+) -> None:
+    """Copy each job's read (landed) into its tensor of ``into`` without waiting (the copies
+    appended to ``later``), its host buffers lent until the copy has read them. On a failure
+    the reads not yet lent are dropped too: nothing is left holding the host budget."""
+    for position, job in enumerate(jobs):
+        try:
+            tensors, give_back = pipeline.lend(job)
+        except BaseException:
+            pipeline.release(j.name for j in jobs[position + 1 :])
+            raise
+        try:
+            _fill(into[job.name], tensors[job.reads[0]], later)
+        except BaseException:
+            give_back()
+            pipeline.release(j.name for j in jobs[position + 1 :])
+            raise
+        _call_when_done(later[-1], give_back)
 
 
 def _call_when_done(copy: ToDevice, then: Callable[[], None]) -> None:
