@@ -555,18 +555,34 @@ def test_clip_grad_norm_without_streaming_is_torchs(tmp_path: Path) -> None:
     assert_same_params(ref, model)
 
 
+def _two_layers(
+    tmp_path: Path,
+    width: int,
+    *,
+    host_budget: int,
+    watch: Callable[[torch.nn.Module], None] = lambda model: None,
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, SwapOptimizer, torch.Tensor]:
+    """Linear(width, 3/4 width) and Linear(3/4 width, 4), a copy of them, torch's AdamW on the
+    first and a streaming SwapOptimizer within ``host_budget`` on the copy (which ``watch``
+    sees first), and a batch of two inputs."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(width, width * 3 // 4), torch.nn.Linear(width * 3 // 4, 4)
+    )
+    model = copy.deepcopy(ref)
+    watch(model)
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=host_budget,
+        offload_parameters=True, **KWARGS,
+    )  # fmt: skip
+    return ref, model, plain, opt, torch.randn(2, width)
+
+
 def test_a_gradient_larger_than_the_room_beside_resident_slices_is_kept(tmp_path: Path) -> None:
     """A 48 MiB gradient, with half of a 64 MiB host budget holding resident slices and the
     other half kept for slices in flight: the gradient goes to the store a slice at a time."""
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(4096, 3072), torch.nn.Linear(3072, 4))
-    model = copy.deepcopy(ref)
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=64 << 20,
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
-    x = torch.randn(2, 4096)
+    ref, model, plain, opt, x = _two_layers(tmp_path, 4096, host_budget=64 << 20)
     for _ in range(2):
         for m, o in ((ref, plain), (model, opt)):
             m(x).square().mean().backward()
@@ -585,18 +601,13 @@ def test_a_step_in_backward_holds_no_gradient_for_slices_that_step_after_it(
     kept in their tensors) and partly streamed (they speculate in backward with the gradient
     in memory): once the streamed ones have stepped, nothing holds the gradient through the
     rest of backward, which would be a whole gradient beyond the budgets. Bitwise as torch."""
-    torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.Linear(768, 4))
-    model = copy.deepcopy(ref)
     grads: list[Any] = []  # autograd's gradients, as accumulated (before the optimizer's hook)
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(lambda p: grads.append(weakref.ref(p.grad)))
-    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=8 << 20,
-        offload_parameters=True, **KWARGS,
-    )  # fmt: skip
-    x = torch.randn(2, 1024)
+
+    def watch(model: torch.nn.Module) -> None:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda p: grads.append(weakref.ref(p.grad)))
+
+    ref, model, plain, opt, x = _two_layers(tmp_path, 1024, host_budget=8 << 20, watch=watch)
     for step in range(4):
         grads.clear()
         for m, o in ((ref, plain), (model, opt)):
