@@ -24,6 +24,7 @@ from tests.engine.recording import (
 from tests.optim.models import assert_same_params, batch_for_step, make_models
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.stream import _swap
+from tierswap.pipeline import Pipeline
 
 
 @pytest.fixture
@@ -100,9 +101,10 @@ def test_the_next_modules_values_are_uploaded_while_the_one_before_runs(
     assert_same_params(ref, model)
     ahead, uses = copies_issued_ahead(transfers.log)
     assert stats["uploaded_ahead_bytes"] > 0
-    # resident: the second and third layers in each of the last three forwards; streamed
+    # resident (from the second step's pass on): the second and third layers in each of the
+    # last two forwards, and in the one before where their reads ahead had landed; streamed
     # through 20 KiB, those whose reads ahead had landed (the others wait for their reads)
-    assert ahead >= (6 if host_budget is None else 1), (ahead, uses)
+    assert ahead >= (4 if host_budget is None else 1), (ahead, uses)
     assert steps_after_their_copies(transfers.log) == []
 
 
@@ -132,10 +134,18 @@ def test_an_upload_ahead_that_fails_falls_back_and_leaves_nothing_held(
     with opt:
         for step in range(4):
             if step == 2:
-                held = pipeline.held
+                held = _settled(pipeline)
                 monkeypatch.setattr(pipeline, "lend", fail_once)
             _train(ref, plain, step)
             _train(model, opt, step)
         assert failed  # an upload ahead was tried, and failed
-        assert pipeline.held == held
+        assert _settled(pipeline) == held
     assert_same_params(ref, model)
+
+
+def _settled(pipeline: Pipeline) -> int:
+    """The host bytes ``pipeline`` holds once its writes have landed and its reads started
+    ahead are dropped: resident jobs, the work buffer, and what is lent."""
+    pipeline.drain()
+    pipeline.release()
+    return pipeline.held
