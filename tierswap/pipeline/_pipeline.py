@@ -12,6 +12,8 @@ budget while later jobs already work.
 tensors stay in the device or host tier until :meth:`Pipeline.flush`. A *held* job
 (:meth:`Pipeline.hold`) is a host-resident one without work of its own, whose tensors the
 caller updates in place (e.g. the scales of 8-bit state, a page of which serves several slices).
+A *lent* job (:meth:`Pipeline.lend`) is a streamed one whose read buffers outlive the call that
+takes them (the source of a device copy still in flight) until the caller gives them back.
 
 Everything moves through the engine: a :class:`~tierswap.engine.Ledger` per memory tier (idle
 pooled buffers count too), one :class:`~tierswap.engine.Disk`, and, for work on the device, a
