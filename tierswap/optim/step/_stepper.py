@@ -447,11 +447,11 @@ class Stepper:
         parameters: step them here, ``grad`` in memory), when this step speculates and this
         is the step's last backward pass; else (``done`` first) read ahead."""
         count = self._grad_counts[index] = self._grad_counts.get(index, 0) + 1
-        spec = self.speculation
-        if self._blocked or count != self._passes or not spec.allowed(self.parts.state.steps + 1):
+        lags = self._lags()  # (here: speculation paused or blocked for this step)
+        if lags or count != self._passes:
             done()
             if self._ends_in_step:
-                self.runner.prefetch(layout.slices_of[index], lag=self._lags())
+                self.runner.prefetch(layout.slices_of[index], lag=lags)
             else:
                 self._read_ahead_forward(layout)
             return
