@@ -98,6 +98,33 @@ def test_resident_jobs_read_once_and_write_at_flush(store) -> None:
     assert pipeline.held == 2 * 2 * CHUNK  # the resident jobs stay in memory
 
 
+def test_resident_jobs_changed_since_a_flush_are_named_and_reload_from_the_store(store) -> None:
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    jobs = _jobs(resident=frozenset({0, 1}))
+    pipeline.run(jobs, _double)
+    assert [pipeline.unflushed(job.name) for job in jobs] == [True, True, False, False, False]
+    pipeline.flush()
+    assert not any(pipeline.unflushed(job.name) for job in jobs)
+    pipeline.resident("small")[Region("a", 0, 100)].fill_(7.0)  # an edit the caller names
+    pipeline.touch("small")
+    pipeline.touch(2)  # not resident: nothing to name
+    assert pipeline.unflushed("small")
+    assert not pipeline.unflushed(2)
+    pipeline.run(jobs[1:2], _double)
+    # the stored copy of "a" and of job 1 (2x since the flush), back into their tensors
+    pipeline.reload("small", [Region("a", 0, 100)])
+    pipeline.reload(1, jobs[1].reads)
+    pipeline.reload(3, jobs[3].reads)  # not resident: a no-op
+    assert not pipeline.unflushed("small")
+    assert not pipeline.unflushed(1)
+    assert torch.equal(pipeline.resident("small")[Region("a", 0, 100)], 2 * torch.arange(100.0))
+    assert torch.equal(pipeline.resident(1)[jobs[1].reads[0]], 2 * torch.arange(2048.0))
+    pipeline.run(jobs, _double)
+    pipeline.flush()
+    assert torch.equal(store.get("a"), 4 * torch.arange(100.0))
+    assert torch.equal(store.get("big")[:2048], 4 * torch.arange(2048.0))
+
+
 def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) -> None:
     """hold() reads a job once (from a prefetch when one started it), keeps its bytes in the
     host budget while jobs stream beside it, and leaves writing to flush; other regions under
@@ -334,6 +361,7 @@ def test_failing_work_on_a_resident_job_keeps_it_resident(store) -> None:
     jobs = _jobs(resident=frozenset({0}))
     pipeline.run(jobs[:1], _double)
     held = pipeline.held
+    pipeline.flush()
 
     def broken(job, tensors):
         raise RuntimeError("work failed")
@@ -342,6 +370,7 @@ def test_failing_work_on_a_resident_job_keeps_it_resident(store) -> None:
         pipeline.run(jobs[:1], broken)
     assert pipeline.held == held
     assert pipeline.resident("small") is not None
+    assert pipeline.unflushed("small")  # the work may have changed its tensors
     pipeline.flush()
     assert torch.equal(store.get("a"), 2 * torch.arange(100.0))
 

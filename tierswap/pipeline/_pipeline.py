@@ -127,6 +127,7 @@ class Pipeline:
             tier: ResidentSet(ledger) for tier, ledger in self._ledgers.items()
         }  # the resident jobs' tensors, by tier
         self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
+        self._unflushed: set[Hashable] = set()  # resident jobs changed since read or flushed
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
@@ -178,6 +179,8 @@ class Pipeline:
                     self._staging.abandon(staged)
                 if self.resident_tier(job.name) is None:
                     self._give_back(job, tensors)
+                else:  # the work may have changed its tensors
+                    self._unflushed.add(job.name)
                 raise
             self._finish(job, tensors, staged, writes)
             # its device tensors go now: the device ledger may already have given their bytes
@@ -301,18 +304,17 @@ class Pipeline:
             tier = HOST
         if tier == DEVICE:
             self._kept[DEVICE][job.name].update(writes)
-            return
-        if tier == HOST:  # the results land in its tensors; its next use waits for them
+        elif tier == HOST:  # the results land in its tensors; its next use waits for them
             resident = self._kept[HOST][job.name]
             on_host, landed = self._copy_out(resident, staged, writes)
             resident.update(on_host)
             self._staging.land(job.name, landed)
+        elif not (job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes)):
+            host_writes, landed = self._copy_out(tensors, staged, writes)
+            self._write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
+            self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
             return
-        if job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes):
-            return
-        host_writes, landed = self._copy_out(tensors, staged, writes)
-        self._write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
-        self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
+        self._unflushed.add(job.name)  # resident: the store has its results at a flush
 
     def _keep_on_device(
         self,
@@ -503,6 +505,7 @@ class Pipeline:
                     on_host.update(tensors)
         self._disk.write(on_host)
         self.drain()  # waits for the writes, and raises the first that failed
+        self._unflushed.clear()
         for tier, book in self._kept.items():
             self._ledgers[tier].count_moved(out=sum(nbytes_of(t) for t in book.values()))
 
@@ -571,6 +574,30 @@ class Pipeline:
             self._kept[DEVICE].clear()
             self._held.clear()
             self._dtypes.clear()
+
+    def unflushed(self, name: Hashable) -> bool:
+        """Whether resident job ``name``'s tensors changed (its work, or :meth:`touch`) since
+        they were read or last flushed: the store's copy is older."""
+        return name in self._unflushed
+
+    def touch(self, name: Hashable) -> None:
+        """The caller changed resident job ``name``'s tensors in place (:meth:`unflushed`)."""
+        if self.resident_tier(name) is not None:
+            self._unflushed.add(name)
+
+    def reload(self, name: Hashable, regions: Iterable[Region]) -> None:
+        """Read ``regions`` of job ``name``, if resident, back from the store into its tensors
+        (the store's copies went back to a savepoint), after the writes in flight; it then
+        counts as flushed. On a GPU a device region passes through a host tensor of its own,
+        outside the budgets (one at a time: rollbacks are rare)."""
+        tensors = self.resident(name) or {}
+        for region in (r for r in regions if r in tensors):
+            target = tensors[region]
+            host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+            self._disk.read_all({region: host}).result()
+            if host is not target:
+                target.copy_(host)
+        self._unflushed.discard(name)
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""

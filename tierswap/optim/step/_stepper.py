@@ -9,8 +9,9 @@ slice. When they run depends on ``overlap``:
   the worker, which steps them during backward, *speculatively*; ``step()`` checks them
   (:mod:`~tierswap.optim.step._speculation`), rolls the wrong ones back to their pre-step
   state, redoes them and steps the rest, and returns with every parameter updated
-  (:meth:`Stepper.step_checked`). Where it cannot speculate (the first step, resident slices,
-  speculation paused, 8-bit state, a scratch store) the hooks start reads, as with ``None``.
+  (:meth:`Stepper.step_checked`). Where it cannot speculate (the first step, resident slices
+  changed since the last commit, speculation paused, 8-bit state, a scratch store) the hooks
+  start reads, as with ``None``.
   With streamed parameters the hook steps the slices itself, with the gradients in memory,
   while the next slices' state is read ahead.
 - ``"forward"``: the same speculation in backward, but ``step()`` hands the redoing and the
@@ -252,10 +253,12 @@ class Stepper:
     def _roll_back(self, pieces: list[Slice]) -> None:
         """Return ``pieces`` to their pre-step state: the store's regions to the savepoint,
         each parameter they stepped to its pre-step value."""
-        names = self.parts.state.names
+        names, backend = self.parts.state.names, self.parts.backend
         # not the kept gradients: written since the savepoint, the redone step reads them
-        regions = (r for piece in pieces for r in slice_reads(piece, names, kept_grads=False))
-        self.parts.backend.roll_back(regions)
+        reads = {piece.index: slice_reads(piece, names, kept_grads=False) for piece in pieces}
+        backend.roll_back(region for regions in reads.values() for region in regions)
+        for index, regions in reads.items():  # a resident slice's tensors: as stored
+            backend.pipeline.reload(index, regions)
         restore_params(self.parts, [seg for piece in pieces for seg in piece.segments])
 
     def end_speculation(self) -> None:
@@ -500,11 +503,24 @@ class Stepper:
         return self.runner.job(piece, held=slots, live=live, lag=self._lags())
 
     def _speculable(self, piece: Slice) -> bool:
-        """A slice that streams (a resident one's pre-step state is not in the store) and
-        whose parameters all have state (a first step creates it)."""
+        """A slice whose parameters all have state (a first step creates it) and whose
+        pre-step values the store holds, for a rollback to return to: one that streams, or a
+        resident one (:meth:`_stored`)."""
         names = self.parts.state.names
-        return self.layout.placement.get(piece.index) is None and all(
+        if piece.index in self.layout.placement and not self._stored(piece):
+            return False
+        return all(
             names.get(seg.slot.index) for seg in piece.segments if seg.slot.param.requires_grad
+        )
+
+    def _stored(self, piece: Slice) -> bool:
+        """Whether the store holds resident ``piece``'s pre-step values without writes of this
+        step: its tensors unchanged since a commit flushed them (the step before committed),
+        and each parameter's value in a master (or streamed: in the master it holds). A slice
+        that steps after backward writes nothing; speculating must not write the parameters
+        either (:meth:`_write_pre_step_params`)."""
+        return not self.parts.backend.pipeline.unflushed(piece.index) and not any(
+            seg.slot.persists_param and not seg.slot.streamed for seg in piece.segments
         )
 
     def _speculate(self, ready: list[Slice]) -> None:

@@ -100,6 +100,8 @@ def _keep(
         kept = pipeline.resident(piece)
         if kept is not None:
             kept[region].copy_(flat[seg.start : seg.stop])
+            if not grad:  # a value the store lacks (a gradient is not state: none rolls it back)
+                pipeline.touch(piece)
         else:  # a segment at a time: the room the layout keeps for one slice in flight
             # (a read of it started ahead is stale now: the pipeline drops it)
             pipeline.write_behind({region: flat[seg.start : seg.stop]})
