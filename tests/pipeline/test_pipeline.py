@@ -125,6 +125,21 @@ def test_resident_jobs_changed_since_a_flush_are_named_and_reload_from_the_store
     assert torch.equal(store.get("big")[:2048], 4 * torch.arange(2048.0))
 
 
+def test_a_flush_leaves_out_transient_regions_and_an_evict_writes_them(store) -> None:
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    a, b = Region("a", 0, 100), Region("b", 0, 100)
+    job = Job("small", (a, b), 2 * CHUNK, tier="host", transient=(b,))
+    pipeline.run([job], _double)
+    before = store.stats()["bytes_written"]
+    pipeline.flush()
+    assert store.stats()["bytes_written"] - before == 100 * 4  # "a" alone
+    assert torch.equal(store.get("a"), 2 * torch.arange(100.0))
+    assert torch.equal(store.get("b"), -torch.arange(100.0))  # as read
+    assert pipeline.stats().host.bytes_out == 100 * 4
+    pipeline.evict()  # its tensors go: all of them are written
+    assert torch.equal(store.get("b"), -2 * torch.arange(100.0))
+
+
 def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) -> None:
     """hold() reads a job once (from a prefetch when one started it), keeps its bytes in the
     host budget while jobs stream beside it, and leaves writing to flush; other regions under

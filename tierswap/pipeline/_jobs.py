@@ -31,6 +31,9 @@ class Job:
     counted in its budget and reused from one job to the next without page faults.
     ``unread`` names regions that get buffers as reads do (counted in ``nbytes`` too) but are
     not read: the work fills them (values it has in memory) before it uses them.
+    ``transient`` names regions of a resident job that no later pass needs from the store,
+    as the caller fills them before each (a gradient kept for one step): :meth:`Pipeline.
+    flush` does not write them (:meth:`Pipeline.evict` does: the job's tensors go).
     """
 
     name: Hashable
@@ -40,6 +43,7 @@ class Job:
     tier: TierName | None = None
     scratch: int = 0
     unread: tuple[Region, ...] = ()
+    transient: tuple[Region, ...] = ()
 
     @property
     def buffers(self) -> tuple[Region, ...]:

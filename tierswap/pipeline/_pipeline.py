@@ -43,7 +43,6 @@ from tierswap.engine import (
     Disk,
     Ledger,
     Region,
-    ResidentSet,
     Staged,
     StoreProtocol,
     Transfers,
@@ -56,6 +55,7 @@ from tierswap.errors import BudgetError
 from tierswap.io import footprint
 from tierswap.pipeline._buffers import JobBuffers
 from tierswap.pipeline._jobs import Job, Work
+from tierswap.pipeline._resident import ResidentJobs
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["Pipeline"]
@@ -123,11 +123,9 @@ class Pipeline:
         self._work_on_device = work_on_device and self._transfers.moves
         self._reading: dict[Hashable, _Reading] = {}
         self._lent = 0  # jobs lent (:meth:`lend`) and not given back yet
-        self._kept: dict[TierName, ResidentSet[Hashable, dict[Region, torch.Tensor]]] = {
-            tier: ResidentSet(ledger) for tier, ledger in self._ledgers.items()
-        }  # the resident jobs' tensors, by tier
+        self._resident = ResidentJobs(self._ledgers)
+        self._kept = self._resident.books  # the resident jobs' tensors, by tier
         self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
-        self._unflushed: set[Hashable] = set()  # resident jobs changed since read or flushed
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
@@ -180,7 +178,7 @@ class Pipeline:
                 if self.resident_tier(job.name) is None:
                     self._give_back(job, tensors)
                 else:  # the work may have changed its tensors
-                    self._unflushed.add(job.name)
+                    self._resident.changed(job)
                 raise
             self._finish(job, tensors, staged, writes)
             # its device tensors go now: the device ledger may already have given their bytes
@@ -314,7 +312,7 @@ class Pipeline:
             self._write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
             self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
             return
-        self._unflushed.add(job.name)  # resident: the store has its results at a flush
+        self._resident.changed(job)  # the store has its results at a flush
 
     def _keep_on_device(
         self,
@@ -490,24 +488,26 @@ class Pipeline:
         reading.done.exception()  # wait: the buffers are being filled
         self._give_back(reading.job, reading.tensors)
 
-    def flush(self) -> None:
-        """Write every resident job's tensors to the store and wait for all writes."""
+    def flush(self, *, transient: bool = False) -> None:
+        """Write every resident job's tensors to the store (with ``transient``, its
+        ``Job.transient`` regions too) and wait for all writes."""
         self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
-        for tier, book in self._kept.items():
-            for tensors in book.values():
-                if tier == DEVICE and self._transfers.moves:
-                    # a region at a time: a job resident on the device (the parameters it
-                    # writes beside its state) can be larger than the host budget's room
-                    for region, tensor in tensors.items():
-                        self.write_behind({region: tensor})
-                else:
-                    on_host.update(tensors)
+        moved = dict.fromkeys(self._kept, 0)
+        for tier, tensors in self._resident.to_write(transient=transient):
+            moved[tier] += nbytes_of(tensors)
+            if tier == DEVICE and self._transfers.moves:
+                # a region at a time: a job resident on the device (the parameters it writes
+                # beside its state) can be larger than the host budget's room
+                for region, tensor in tensors.items():
+                    self.write_behind({region: tensor})
+            else:
+                on_host.update(tensors)
         self._disk.write(on_host)
         self.drain()  # waits for the writes, and raises the first that failed
-        self._unflushed.clear()
-        for tier, book in self._kept.items():
-            self._ledgers[tier].count_moved(out=sum(nbytes_of(t) for t in book.values()))
+        self._resident.flushed()
+        for tier, nbytes in moved.items():
+            self._ledgers[tier].count_moved(out=nbytes)
 
     def write(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
         """Start writing ``writes`` straight from the caller's host tensors (no copy: they
@@ -567,37 +567,29 @@ class Pipeline:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
         and let the work buffer go."""
         self._staging.drop_all()
-        self.flush()
+        self.flush(transient=True)
         with self._cv:
             self._buffers.drop_work()
-            self._kept[HOST].clear()  # freed, not pooled, as their bytes leave the ledger
-            self._kept[DEVICE].clear()
+            self._resident.clear()  # freed, not pooled, as their bytes leave the ledger
             self._held.clear()
             self._dtypes.clear()
 
     def unflushed(self, name: Hashable) -> bool:
         """Whether resident job ``name``'s tensors changed (its work, or :meth:`touch`) since
         they were read or last flushed: the store's copy is older."""
-        return name in self._unflushed
+        return self._resident.unflushed(name)
 
     def touch(self, name: Hashable) -> None:
         """The caller changed resident job ``name``'s tensors in place (:meth:`unflushed`)."""
-        if self.resident_tier(name) is not None:
-            self._unflushed.add(name)
+        self._resident.touch(name)
 
     def reload(self, name: Hashable, regions: Iterable[Region]) -> None:
         """Read ``regions`` of job ``name``, if resident, back from the store into its tensors
         (the store's copies went back to a savepoint), after the writes in flight; it then
         counts as flushed. On a GPU a device region passes through a host tensor of its own,
         outside the budgets (one at a time: rollbacks are rare)."""
-        tensors = self.resident(name) or {}
-        for region in (r for r in regions if r in tensors):
-            target = tensors[region]
-            host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
-            self._disk.read_all({region: host}).result()
-            if host is not target:
-                target.copy_(host)
-        self._unflushed.discard(name)
+        self._staging.wait_landing(name)
+        self._resident.reload(name, regions, self._disk)
 
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
@@ -607,7 +599,7 @@ class Pipeline:
 
     def resident_tier(self, name: Hashable) -> TierName | None:
         """The tier holding job ``name`` between passes, or ``None`` (streamed)."""
-        return next((tier for tier, book in self._kept.items() if name in book), None)
+        return self._resident.tier(name)
 
     @property
     def held(self) -> int:

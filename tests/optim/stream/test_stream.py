@@ -28,7 +28,7 @@ from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.step import _runner, _speculation
 from tierswap.optim.step._runner import SliceRunner
 from tierswap.optim.stream import OffloadedGradient
-from tierswap.pipeline import Job, Pipeline
+from tierswap.pipeline import Job, Pipeline, Region
 from tierswap.tiers import DEVICE
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.05}
@@ -780,6 +780,34 @@ def test_resident_slices_speculate_after_a_commit_and_redo_from_the_store(
     assert schedule["redone"] == 2 * slices - len(edited)
     opt.close()
     assert_same_params(ref, model)
+
+
+def test_a_commit_leaves_the_gradients_kept_in_resident_slices_unwritten(tmp_path: Path) -> None:
+    """A resident slice holds its parameters' kept gradients, which each step refills: a
+    commit writes its state and masters, not them. The run resumes from it bitwise."""
+    ref, model = _pair()
+    plain = torch.optim.AdamW(ref.parameters(), **KWARGS)
+    settings = {"swap_dir": tmp_path, "host_budget": None, "offload_parameters": True}
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, overlap=None, commit_every=0, **settings, **KWARGS
+    )
+    assert len(opt.placement) == len(opt.slices)
+    slot = next(s for s in opt.slices[0].slots if s.steps_from_kept_grad)
+    grads = Region(slot.grad_key, 0, slot.param.numel())
+    for step in range(3):
+        _train(ref, plain, step, 0.5)
+        _train(model, opt, step, 0.5)
+    stored = opt._backend.read_region(grads)
+    opt.commit()
+    assert torch.equal(opt._backend.read_region(grads), stored)  # not written
+    opt.close()
+    _, fresh = _pair(seed=7)
+    opt = SwapOptimizer(fresh, torch.optim.AdamW, resume=True, overlap=None, **settings, **KWARGS)
+    for step in range(3, 5):
+        _train(ref, plain, step, 0.5)
+        _train(fresh, opt, step, 0.5)
+    opt.close()
+    assert_same_params(ref, fresh)
 
 
 def test_the_device_budget_beyond_the_parameters_holds_optimizer_state(

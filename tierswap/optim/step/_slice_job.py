@@ -98,7 +98,19 @@ def slice_job(
         tier=tier,
         scratch=piece.scratch_bytes if shared else 0,
         unread=() if masters_lag else unread,
+        transient=kept_grads(piece) if tier is not None else (),
     )  # fmt: skip
+
+
+def kept_grads(piece: Slice) -> tuple[Region, ...]:
+    """The regions of the gradients ``piece`` steps from, kept in the swap space (streamed
+    parameters): a resident slice holds them, which each step's gradients refill, so a commit
+    does not write them (``Job.transient``)."""
+    return tuple(
+        segment_region(seg.slot.grad_key, seg)
+        for seg in piece.segments
+        if seg.slot.steps_from_kept_grad
+    )
 
 
 def unbuffered_masters(piece: Slice, tensors: Container[Region]) -> tuple[Region, ...]:
