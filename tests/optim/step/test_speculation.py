@@ -185,6 +185,35 @@ def test_resident_slices_speculate_where_the_step_before_committed(
         assert stats["redone"] <= expected[1]
 
 
+def test_resident_slices_of_a_step_not_taken_are_rolled_back(tmp_path) -> None:
+    """Resident slices speculated for a step that is not taken (``zero_grad`` drops its
+    gradients): their state and masters are read back from the store, their parameters too."""
+    ref_model, ref, model, opt = _pair(
+        tmp_path, dtype=torch.bfloat16, host_budget=None, commit_every=1
+    )
+    ref = SwapOptimizer(
+        ref_model.named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+        swap_dir=tmp_path / "ref", overlap=None,
+    )  # fmt: skip
+    batches = _batches(5, torch.bfloat16)
+    with opt, ref:
+        _train(ref_model, ref, batches[:3])
+        _train(model, opt, batches[:3])
+        opt.synchronize()  # ("forward": the last step's commit ends before backward asks)
+        before = [p.detach().clone() for p in model.parameters()]
+        model(batches[3]).square().mean().backward()
+        _speculated(opt)
+        assert opt._stepper.speculation.pending  # resident slices stepped...
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        opt.zero_grad()  # ...for a step that is not taken
+        assert_same_params(ref_model, model)
+        _train(ref_model, ref, batches[4:])
+        _train(model, opt, batches[4:])
+        opt.synchronize()
+        assert_same_params(ref_model, model)
+        assert_same_state(ref.state_dict(), opt.state_dict())
+
+
 def test_only_the_slices_of_an_edited_gradient_are_redone(tmp_path) -> None:
     ref_model, ref, model, opt = _pair(tmp_path)
 
