@@ -504,23 +504,19 @@ class Stepper:
 
     def _speculable(self, piece: Slice) -> bool:
         """A slice whose parameters all have state (a first step creates it) and whose
-        pre-step values the store holds, for a rollback to return to: one that streams, or a
-        resident one (:meth:`_stored`)."""
-        names = self.parts.state.names
-        if piece.index in self.layout.placement and not self._stored(piece):
+        pre-step values the store holds without a write of this step, for a rollback to
+        return to: one that streams, or a resident one whose tensors have not changed since a
+        commit flushed them (the step before committed), beside parameters that have masters
+        or stream. (A resident slice stepping after backward writes nothing: speculating must
+        not write pre-step copies of parameters either, :meth:`_write_pre_step_params`.)"""
+        names, pipeline = self.parts.state.names, self.parts.backend.pipeline
+        if piece.index in self.layout.placement and (
+            pipeline.unflushed(piece.index)
+            or any(seg.slot.persists_param and not seg.slot.streamed for seg in piece.segments)
+        ):
             return False
         return all(
             names.get(seg.slot.index) for seg in piece.segments if seg.slot.param.requires_grad
-        )
-
-    def _stored(self, piece: Slice) -> bool:
-        """Whether the store holds resident ``piece``'s pre-step values without writes of this
-        step: its tensors unchanged since a commit flushed them (the step before committed),
-        and each parameter's value in a master (or streamed: in the master it holds). A slice
-        that steps after backward writes nothing; speculating must not write the parameters
-        either (:meth:`_write_pre_step_params`)."""
-        return not self.parts.backend.pipeline.unflushed(piece.index) and not any(
-            seg.slot.persists_param and not seg.slot.streamed for seg in piece.segments
         )
 
     def _speculate(self, ready: list[Slice]) -> None:
