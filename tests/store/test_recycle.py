@@ -110,6 +110,8 @@ def test_pool_respects_its_cap_and_the_sharing_rule(tmp_path: Path) -> None:
     pool.keep(files)
     assert pool.nbytes == 4096  # the shared one left the pool, the last was over the cap
     assert not any(f.exists() for f in files)
+    pool.settle()  # the one over the cap is deleted on the pool's thread
+    assert len(list(pool.folder.iterdir())) == 1
     assert (tmp_path / "snapshot-link").read_bytes() == b"x" * 4096
     target = tmp_path / "target"
     assert pool.take(4096, target)
