@@ -63,6 +63,12 @@ def _values_bytes(make: Callable[[], torch.nn.Module]) -> int:
 
 #: A device budget that keeps all of Net's parameters and holds no optimizer state.
 ALL_KEPT = _values_bytes(Net)
+#: Budgets that keep every parameter between uses and every slice resident in a tier: host
+#: memory, or what the parameters leave of ``device_budget`` (no GPU: RAM as well).
+RESIDENT_IN: dict[str, dict[str, object]] = {
+    "host": {"host_budget": None, "device_budget": ALL_KEPT},
+    "device": {"host_budget": 20480, "device_budget": ALL_KEPT + (1 << 20)},
+}
 
 
 def _pair(seed: int = 0) -> tuple[Net, Net]:
@@ -735,10 +741,7 @@ def test_resident_slices_beside_kept_parameters_start_from_the_newest_masters(
     schedules whose first step lets the kept masters lag (no commit): a resident slice reads
     its master once, on its first resident pass, and that must be the step's newest, not the
     stored one from before it. Bitwise torch's AdamW; it used to lose the first step."""
-    settings: dict[str, object] = {
-        "host": {"host_budget": None, "device_budget": ALL_KEPT},
-        "device": {"host_budget": 20480, "device_budget": ALL_KEPT + (1 << 20)},
-    }[tier]
+    settings = RESIDENT_IN[tier]
     ref, model, plain, opt = _streaming(tmp_path, overlap=overlap, commit_every=0, **settings)
     assert set(opt.placement.values()) == {tier}
     for step in range(4):
@@ -759,10 +762,7 @@ def test_resident_slices_speculate_after_a_commit_and_redo_from_the_store(
     store then holds their pre-step state, and a redo (clipping that triggers) reads it back
     into their tensors. A parameter edited between steps changes its resident master, which
     the store lacks: its slices step after backward in that step. Bitwise torch's AdamW."""
-    settings: dict[str, object] = {
-        "host": {"host_budget": None, "device_budget": ALL_KEPT},
-        "device": {"host_budget": 20480, "device_budget": ALL_KEPT + (1 << 20)},
-    }[tier]
+    settings = RESIDENT_IN[tier]
     ref, model, plain, opt = _streaming(tmp_path, commit_every=1, **settings)
     assert set(opt.placement.values()) == {tier}
     edited = {p.index for p in opt.slices if any(s.param is model.mid.weight for s in p.slots)}

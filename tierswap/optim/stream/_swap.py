@@ -191,15 +191,13 @@ def _lend_into(
     appended to ``later``), its host buffers lent until the copy has read them. On a failure
     the reads not yet lent are dropped too: nothing is left holding the host budget."""
     for position, job in enumerate(jobs):
+        give_back: Callable[[], None] | None = None
         try:
             tensors, give_back = pipeline.lend(job)
-        except BaseException:
-            pipeline.release(j.name for j in jobs[position + 1 :])
-            raise
-        try:
             _fill(into[job.name], tensors[job.reads[0]], later)
         except BaseException:
-            give_back()
+            if give_back is not None:
+                give_back()
             pipeline.release(j.name for j in jobs[position + 1 :])
             raise
         _call_when_done(later[-1], give_back)
