@@ -140,6 +140,66 @@ def test_a_flush_leaves_out_transient_regions_and_an_evict_writes_them(store) ->
     assert torch.equal(store.get("b"), -2 * torch.arange(100.0))
 
 
+def test_a_flush_behind_ends_before_the_next_call_and_then_runs_after_its_writes(store) -> None:
+    """flush_behind returns while its writes and ``then`` go on; ``then`` sees the writes
+    landed; the next call that is not a query waits for it, and the resident jobs then count
+    as flushed."""
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    jobs = _jobs(resident=frozenset({0, 1}))
+    pipeline.run(jobs, _double)
+    release, seen, ends = threading.Event(), [], []
+
+    def then() -> str:
+        seen.append(store.get("a").clone())  # the flush's write has landed
+        release.wait(timeout=30)
+        return "committed"
+
+    future = pipeline.flush_behind(then, lambda error, at: ends.append((error, at)))
+    assert pipeline.resident_tier("small") == "host"  # queries do not wait
+    assert not pipeline.landed(2)
+    assert not future.done()
+    assert ends == []
+    waited = threading.Thread(target=lambda: pipeline.unflushed("small"))
+    waited.start()
+    waited.join(timeout=0.2)
+    assert waited.is_alive()  # the next call waits for ``then``
+    release.set()
+    waited.join(timeout=30)
+    assert future.result() == "committed"
+    assert torch.equal(seen[0], 2 * torch.arange(100.0))
+    assert ends[0][0] is None
+    assert ends[0][1] <= time.monotonic()
+    assert not any(pipeline.unflushed(job.name) for job in jobs)
+    assert pipeline.stats().host.bytes_out >= 2 * 2 * CHUNK
+
+
+def test_a_failed_flush_behind_is_raised_once_and_leaves_the_jobs_unflushed(store) -> None:
+    pipeline = Pipeline(store, budget=4 * 2 * CHUNK)
+    jobs = _jobs(resident=frozenset({0}))
+    pipeline.run(jobs, _double)
+    ends: list[tuple[BaseException | None, float]] = []
+
+    def then() -> None:
+        raise OutOfSpaceError("no room for the commit")
+
+    pipeline.flush_behind(then, lambda error, at: ends.append((error, at)))
+    with pytest.raises(OutOfSpaceError, match="no room for the commit"):
+        pipeline.release()  # the next call raises it, after ``ended``
+    assert isinstance(ends[0][0], OutOfSpaceError)
+    assert pipeline.unflushed("small")  # the store may lack its tensors
+    pipeline.settle()  # raised once
+    pipeline.flush()  # and a flush goes on as before
+    assert not pipeline.unflushed("small")
+    assert torch.equal(store.get("a"), 2 * torch.arange(100.0))
+    writes_fail = Pipeline(FullDisk(store), budget=4 * 2 * CHUNK)
+    writes_fail.run(jobs[:1], _double)
+    called: list[str] = []
+    writes_fail.flush_behind(lambda: called.append("then"), lambda error, at: None)
+    with pytest.raises(OutOfSpaceError, match="disk full"):
+        writes_fail.settle()
+    assert called == []  # a failed write: no ``then``
+
+
 def test_held_jobs_are_read_once_updated_in_place_and_written_at_flush(store) -> None:
     """hold() reads a job once (from a prefetch when one started it), keeps its bytes in the
     host budget while jobs stream beside it, and leaves writing to flush; other regions under

@@ -354,8 +354,10 @@ class SwapOptimizer(Assembly):
         super().zero_grad(set_to_none)
 
     def _settle(self) -> None:
-        """Wait for the worker; roll back slices speculated for a step not taken."""
+        """Wait for the worker and a commit behind it; roll back slices speculated for a step
+        not taken."""
         self._stepper.abandon()
+        self._backend.pipeline.settle()
 
     # -- introspection and teardown -------------------------------------------------------
     @property

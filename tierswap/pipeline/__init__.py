@@ -5,7 +5,8 @@
 :class:`~tierswap.engine.Disk` and store protocol."""
 
 from tierswap.engine import Region
+from tierswap.pipeline._behind import Ended
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.pipeline._pipeline import Pipeline
 
-__all__ = ["Job", "Pipeline", "Region", "Work"]
+__all__ = ["Ended", "Job", "Pipeline", "Region", "Work"]

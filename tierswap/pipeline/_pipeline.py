@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -53,12 +53,29 @@ from tierswap.engine import (
 )
 from tierswap.errors import BudgetError
 from tierswap.io import footprint
+from tierswap.pipeline._behind import Behind, Ended
 from tierswap.pipeline._buffers import JobBuffers
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.pipeline._resident import ResidentJobs
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["Pipeline"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _settled(
+    method: Callable[Concatenate[Pipeline, P], T],
+) -> Callable[Concatenate[Pipeline, P], T]:
+    """``method``, which first waits for the pipeline's work behind (:meth:`Pipeline.settle`)."""
+
+    @functools.wraps(method)
+    def settled(self: Pipeline, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._behind.settle()
+        return method(self, *args, **kwargs)
+
+    return settled
 
 
 @dataclasses.dataclass
@@ -127,6 +144,7 @@ class Pipeline:
         self._kept = self._resident.books  # the resident jobs' tensors, by tier
         self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
+        self._behind = Behind()  # a flush whose writes (and commit) end behind the caller
         self._buffers = JobBuffers(self._ledgers[HOST], self._cv)
         self._dtypes: dict[str, torch.dtype] = {}
         self._work_wanted = 0  # the work buffer's bytes that the jobs running now need
@@ -137,6 +155,7 @@ class Pipeline:
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
+    @_settled
     def prefetch(self, jobs: Iterable[Job]) -> None:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks. The work
         buffer comes first: reads started ahead would otherwise be dropped to make room for it."""
@@ -154,6 +173,7 @@ class Pipeline:
             if not self._start_reads(job, wait=False):
                 return
 
+    @_settled
     def run(self, jobs: Sequence[Job], work: Work) -> None:
         """Run every job through read-ahead, ``work`` and write-behind, in order.
 
@@ -192,6 +212,7 @@ class Pipeline:
         reading = self._reading.get(name)
         return self.resident_tier(name) is not None or (reading is not None and reading.done.done())
 
+    @_settled
     def lend(self, job: Job) -> tuple[dict[Region, torch.Tensor], Callable[[], None]]:
         """The tensors of ``job``, a streamed job, read (or taken from a read started ahead),
         for a caller that still uses them after this returns (the source of a copy in flight),
@@ -209,6 +230,7 @@ class Pipeline:
             self._lent -= 1
             self._cv.notify_all()
 
+    @_settled
     def hold(self, job: Job) -> dict[Region, torch.Tensor]:
         """The tensors of ``job``'s regions, kept in host memory from this call on: read once
         (or taken from a read :meth:`prefetch` started), its ``nbytes`` reserved in the host
@@ -463,6 +485,7 @@ class Pipeline:
         return dtype
 
     # ------------------------------------------------------------------ ends of a pass
+    @_settled
     def drain(self) -> None:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
         the first write that failed."""
@@ -470,6 +493,7 @@ class Pipeline:
         self._staging.wait_landing()
         self._disk.raise_errors()
 
+    @_settled
     def release(self, names: Iterable[Hashable] | None = None) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
         then not stepped): all of them, or those of the jobs ``names``."""
@@ -488,9 +512,46 @@ class Pipeline:
         reading.done.exception()  # wait: the buffers are being filled
         self._give_back(reading.job, reading.tensors)
 
+    @_settled
     def flush(self, *, transient: bool = False) -> None:
         """Write every resident job's tensors to the store (with ``transient``, its
         ``Job.transient`` regions too) and wait for all writes."""
+        moved = self._start_flush(transient=transient)
+        self.drain()  # waits for the writes, and raises the first that failed
+        self._flushed(moved)
+
+    @_settled
+    def flush_behind(self, then: Callable[[], T], ended: Ended) -> Future[T]:
+        """Start writing every resident job's tensors (as :meth:`flush`, without the
+        transient regions) and return; on a thread of its own, once all writes have ended,
+        call ``then`` (the store's commit, which must hold them). Every later call of the
+        pipeline but the queries (:meth:`landed`, :meth:`resident_tier`, :attr:`held`,
+        :meth:`stats`) waits for it first: the resident tensors are being written from, and
+        the store must take no newer write before ``then``. That call, on its thread, calls
+        ``ended`` with the failure (``None``) and the time it ended, and raises the failure
+        (once; the returned future holds it too); after a failure the resident jobs still
+        count as :meth:`unflushed`."""
+        moved = self._start_flush(transient=False)
+
+        def finish() -> T:
+            self._disk.wait()
+            self._disk.raise_errors()
+            return then()
+
+        def settled(error: BaseException | None, at: float) -> None:
+            if error is None:
+                self._flushed(moved)
+            ended(error, at)
+
+        return self._behind.start(finish, settled)
+
+    def settle(self) -> None:
+        """Wait for the work of :meth:`flush_behind`, if any; raise its failure (once)."""
+        self._behind.settle()
+
+    def _start_flush(self, *, transient: bool) -> dict[TierName, int]:
+        """Start writing every resident job's tensors (:meth:`flush`); the bytes of each
+        tier."""
         self._staging.wait_landing()
         on_host: dict[Region, torch.Tensor] = {}
         moved = dict.fromkeys(self._kept, 0)
@@ -504,11 +565,16 @@ class Pipeline:
             else:
                 on_host.update(tensors)
         self._disk.write(on_host)
-        self.drain()  # waits for the writes, and raises the first that failed
+        return moved
+
+    def _flushed(self, moved: dict[TierName, int]) -> None:
+        """A flush's writes have ended: the resident jobs count as flushed, the bytes as
+        moved out of their tiers."""
         self._resident.flushed()
         for tier, nbytes in moved.items():
             self._ledgers[tier].count_moved(out=nbytes)
 
+    @_settled
     def write(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
         """Start writing ``writes`` straight from the caller's host tensors (no copy: they
         must not change until the future completes); its failure is the future's alone (not
@@ -516,6 +582,7 @@ class Pipeline:
         an overlapping region waits for it, and :meth:`drain` waits for it to end."""
         return self._write(writes, keep_errors=False)
 
+    @_settled
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write ``writes`` (on the host or the device) behind the caller, from copies (cast to
         the stored arrays' dtypes) in pooled host buffers reserved in the host budget, given
@@ -563,6 +630,7 @@ class Pipeline:
             self._drop_reading(name)
         return self._disk.write(writes, after=after, then=then, keep_errors=keep_errors)
 
+    @_settled
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
         and let the work buffer go."""
@@ -574,15 +642,18 @@ class Pipeline:
             self._held.clear()
             self._dtypes.clear()
 
+    @_settled
     def unflushed(self, name: Hashable) -> bool:
         """Whether resident job ``name``'s tensors changed (its work, or :meth:`touch`) since
         they were read or last flushed: the store's copy is older."""
         return self._resident.unflushed(name)
 
+    @_settled
     def touch(self, name: Hashable) -> None:
         """The caller changed resident job ``name``'s tensors in place (:meth:`unflushed`)."""
         self._resident.touch(name)
 
+    @_settled
     def reload(self, name: Hashable, regions: Iterable[Region]) -> None:
         """Read ``regions`` of job ``name``, if resident, back from the store into its tensors
         (the store's copies went back to a savepoint), after the writes in flight; it then
@@ -591,6 +662,7 @@ class Pipeline:
         self._staging.wait_landing(name)
         self._resident.reload(name, regions, self._disk)
 
+    @_settled
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
         self._staging.wait_landing(name)

@@ -31,7 +31,7 @@ from tierswap.optim.persist._arrays import (
 )
 from tierswap.optim.persist._backend import StateBackend
 from tierswap.optim.persist._bookkeeping import StepState, hyper_parameters, same_values
-from tierswap.optim.persist._commit import commit, drain_writes, final_commit
+from tierswap.optim.persist._commit import commit, commit_behind, drain_writes, final_commit
 from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
 from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.optim.persist._resume import check_commit, restore_commit
@@ -64,6 +64,7 @@ __all__ = [
     "create_arrays",
     "check_commit",
     "commit",
+    "commit_behind",
     "drain_writes",
     "final_commit",
     "is_reference",

@@ -23,7 +23,7 @@ import torch
 from tierswap._lifetime import close_at_exit
 from tierswap.engine import Transfers
 from tierswap.optim.distributed import rank_swap_dir
-from tierswap.pipeline import Pipeline, Region
+from tierswap.pipeline import Ended, Pipeline, Region
 from tierswap.store import check_apart, replace_with_snapshot
 
 if TYPE_CHECKING:
@@ -156,6 +156,7 @@ class StateBackend:
     ) -> None:
         """A stored array of zeros (sparse: no data written) for state made by a first step;
         ``chunk_bytes``: its own chunk size (``None``: the store's)."""
+        self.pipeline.settle()  # not in a commit behind the caller
         self.store.create(key, shape, dtype, chunk_bytes=chunk_bytes)
         self.known.add(key)
 
@@ -210,13 +211,23 @@ class StateBackend:
     def commit(self, small: dict[str, Any], meta: dict[str, Any]) -> int:
         """Flush resident slices, write ``small``, commit atomically."""
         self.pipeline.flush()
-        buffer = io.BytesIO()
-        torch.save(small, buffer)
-        self.store.put(SMALL_KEY, torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+        return self._record(_serialized(small), meta)
+
+    def commit_behind(self, small: dict[str, Any], meta: dict[str, Any], ended: Ended) -> None:
+        """:meth:`commit`, returning once the resident slices' writes have started: the
+        pipeline ends it behind the caller (:meth:`~tierswap.pipeline.Pipeline.flush_behind`,
+        which calls ``ended``), and its next call (any method of this backend that reaches the
+        store) waits for it, and raises its failure."""
+        blob = _serialized(small)
+        self.pipeline.flush_behind(lambda: self._record(blob, meta), ended)
+
+    def _record(self, small: torch.Tensor, meta: dict[str, Any]) -> int:
+        self.store.put(SMALL_KEY, small)
         return self.store.commit({META_KEY: meta})
 
     def committed_meta(self) -> dict[str, Any] | None:
         """The optimizer's metadata of the last commit, or ``None`` for a fresh folder."""
+        self.pipeline.settle()  # a commit behind the caller holds the newest
         meta = self.store.meta or {}
         committed: dict[str, Any] | None = meta.get(META_KEY)
         return committed
@@ -237,9 +248,19 @@ class StateBackend:
             return
         self.closed = True
         try:
-            self.pipeline.release()
-            self.pipeline.drain()
+            try:
+                self.pipeline.settle()  # a commit behind the caller ends first
+            finally:
+                self.pipeline.release()
+                self.pipeline.drain()
         finally:
             self.store.close()
             if self._cleanup is not None:
                 self._cleanup()
+
+
+def _serialized(small: dict[str, Any]) -> torch.Tensor:
+    """``small`` as the bytes the store keeps under ``SMALL_KEY``."""
+    buffer = io.BytesIO()
+    torch.save(small, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

@@ -14,9 +14,11 @@ from tierswap.optim.persist._bookkeeping import clone_state, hyper_parameters
 from tierswap.optim.persist._parts import OptimizerParts
 from tierswap.optim.persist._swapped_state import adopt_direct_state
 from tierswap.optim.plan import Slot, master_dtype
+from tierswap.pipeline import Region
 
 __all__ = [
     "commit",
+    "commit_behind",
     "drain_writes",
     "final_commit",
     "layout_entry",
@@ -33,15 +35,44 @@ def commit(parts: OptimizerParts) -> int:
     """Make the current masters, state and step count the folder's atomic restart point; the
     commit clock learns what it cost. Returns the generation."""
     started = time.monotonic()
-    adopt_direct_state(parts)
-    generation = _write_commit(parts)
-    parts.commits.committed(time.monotonic() - started)
+    lagged, small, meta = _prepare(parts)
+    try:
+        generation = parts.backend.commit(small, meta)
+    except BaseException:
+        _lagged_again(parts, lagged)
+        raise
+    _committed(parts, started, time.monotonic())
     return generation
 
 
-def _write_commit(parts: OptimizerParts) -> int:
-    """Write params without a master (those the last step did not) and the masters that lag
-    their parameters' values, then commit (:func:`_commit_state`)."""
+def commit_behind(parts: OptimizerParts) -> None:
+    """:func:`commit`, ending behind the caller: it returns once the resident slices' writes
+    have started, and the next use of the swap space waits for the rest (those writes, the
+    store's commit: :meth:`~tierswap.optim.persist.StateBackend.commit_behind`). Until then
+    nothing changes what they write from, since every change of state goes through that use
+    first. A failure is raised by it; the masters that lagged are then written by the next
+    commit again, as after a failed :func:`commit`. The clock learns the time from here to
+    the store's commit."""
+    started = time.monotonic()
+    lagged, small, meta = _prepare(parts)
+
+    def ended(error: BaseException | None, at: float) -> None:
+        if error is None:
+            _committed(parts, started, at)
+        else:
+            _lagged_again(parts, lagged)
+
+    parts.backend.commit_behind(small, meta, ended)
+
+
+def _prepare(
+    parts: OptimizerParts,
+) -> tuple[dict[int, set[Region]], dict[str, Any], dict[str, Any]]:
+    """What a commit does before the store's: adopt state written straight into the torch
+    optimizer, wait for the steps' writes, write params without a master (those the last
+    step did not) and the masters that lag their parameters' values. Returns those masters'
+    regions, the commit's small state and its metadata (:func:`_contents`)."""
+    adopt_direct_state(parts)
     backend, step_state = parts.backend, parts.state
     drain_writes(parts)
     if step_state.failed:
@@ -58,20 +89,29 @@ def _write_commit(parts: OptimizerParts) -> int:
     ]
     write_params(parts, unwritten, masters=False)
     lagged = write_lagging_masters(parts)
-    try:
-        return _commit_state(parts)
-    except BaseException:  # not known to have landed: the next commit writes them again
-        for index, regions in lagged.items():
-            step_state.unwritten_masters.setdefault(index, set()).update(regions)
-        raise
+    small, meta = _contents(parts)
+    return lagged, small, meta
 
 
-def _commit_state(parts: OptimizerParts) -> int:
-    """Write the scalars and hyper-parameters of the param groups, flush the resident slices
-    and commit atomically."""
-    backend, layout, step_state, config = parts.backend, parts.layout, parts.state, parts.config
+def _lagged_again(parts: OptimizerParts, lagged: dict[int, set[Region]]) -> None:
+    """A commit failed: the masters it wrote are not known to have landed, so the next
+    commit writes them again."""
+    for index, regions in lagged.items():
+        parts.state.unwritten_masters.setdefault(index, set()).update(regions)
+
+
+def _committed(parts: OptimizerParts, started: float, ended: float) -> None:
+    """A commit that started at ``started`` ended at ``ended`` (``time.monotonic()``)."""
+    parts.state.changed = False  # the commit holds any state loaded before it
+    parts.commits.committed(ended - started)
+
+
+def _contents(parts: OptimizerParts) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A commit's small state (the scalars and hyper-parameters of the param groups, keyed
+    by each parameter's key prefix, so that a resume can match by name) and its metadata."""
+    layout, step_state, config = parts.layout, parts.state, parts.config
     slots = layout.slots
-    small = {  # keyed by each parameter's key prefix, so a resume can match by name
+    small = {
         "small": {s.prefix: clone_state(step_state.small[s.index]) for s in slots},
         "names": {s.prefix: list(step_state.names[s.index]) for s in slots},
         "groups": [hyper_parameters(g) for g in parts.groups],
@@ -90,9 +130,7 @@ def _commit_state(parts: OptimizerParts) -> int:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **world_meta(),
     }
-    generation = backend.commit(small, meta)
-    step_state.changed = False  # the commit holds any state loaded before it
-    return generation
+    return small, meta
 
 
 def drain_writes(parts: OptimizerParts) -> None:

@@ -39,6 +39,7 @@ from tierswap._threads import elementwise, step_threads
 from tierswap.optim.persist import (
     OptimizerParts,
     commit,
+    commit_behind,
     hyper_parameters,
     restore_params,
     write_lagging_masters,
@@ -381,7 +382,9 @@ class Stepper:
         )
         self.parts.state.grad_edits.clear()  # they edited this step's gradients
         self.parts.commits.stepped()
-        if due:
+        if due and self.parts.commits.every == "auto":  # no step asked for: it ends behind
+            commit_behind(self.parts)  # the swap space's next use waits, the forward need not
+        elif due:  # commit_every=N: the step returns with its commit done
             commit(self.parts)
 
     # -- gradient hooks -------------------------------------------------------------------
