@@ -87,9 +87,12 @@ class SwapOptimizer(Assembly):
         When the swap folder commits atomically (a restart point). ``"auto"`` (default):
         whenever the time since the last commit reaches nine times what that commit cost, so
         commits take about a tenth of the training time whatever stays resident (under
-        ``torch.distributed``, where all ranks must commit the same steps: every step); ``N``:
-        every N steps; ``0``: only on :meth:`commit`. :meth:`close` commits the steps since
-        the last commit.
+        ``torch.distributed``, where all ranks must commit the same steps: every step). Such a
+        commit ends behind its step: :meth:`step` returns once its writes have started, and
+        the next use of the swap space (in the next backward, or a forward that reads
+        parameters from it) waits for it; :meth:`synchronize` too. ``N``: every N steps, each
+        done when its :meth:`step` returns; ``0``: only on :meth:`commit`. :meth:`close`
+        commits the steps since the last commit.
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.
@@ -332,9 +335,10 @@ class SwapOptimizer(Assembly):
         )
 
     def synchronize(self) -> None:
-        """Wait until the last step is done, its writes included (the step returns while its
-        last slices are still being written, or, with ``overlap="forward"``, before they
-        step); raise a failure of it."""
+        """Wait until the last step is done, its writes and commit included (the step returns
+        while its last slices are still being written, or, with ``overlap="forward"``, before
+        they step; a commit of ``commit_every="auto"`` ends behind it); raise a failure of
+        it."""
         self._settle()
         persist.drain_writes(self._parts)
 

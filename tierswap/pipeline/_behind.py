@@ -6,15 +6,35 @@ Private to :mod:`tierswap.pipeline`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-__all__ = ["Behind"]
+__all__ = ["Behind", "Ended", "settled_first"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class _Settles(Protocol):
+    def settle(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Settles)
+
+
+def settled_first(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+    """``method``, which first calls its object's ``settle()`` (waits for the work behind)."""
+
+    @functools.wraps(method)
+    def settled(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self.settle()
+        return method(self, *args, **kwargs)
+
+    return settled
 
 
 #: Called on the settling thread with the work's failure (``None``: it succeeded) and the

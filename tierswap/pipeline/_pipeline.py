@@ -20,6 +20,9 @@ pooled buffers count too), one :class:`~tierswap.engine.Disk`, and, for work on 
 :class:`~tierswap.engine.DeviceStaging` (copies in issued during the work of the job ahead,
 copies back landing before the write-behind hands them to the store).
 
+A flush can end behind the caller (:meth:`Pipeline.flush_behind`: its writes, then a commit of
+the store, on a thread of their own); every later call but the queries waits for it first.
+
 Thread safety: the public methods are called from one thread at a time (the caller's); I/O
 completions arrive on the store's threads and only touch the ledgers and the buffer pools, under
 one condition variable."""
@@ -32,14 +35,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from tierswap.config import Size, parse_size
 from tierswap.engine import (
     CacheStats,
-    DeviceStaging,
     Disk,
     Ledger,
     Region,
@@ -53,29 +55,16 @@ from tierswap.engine import (
 )
 from tierswap.errors import BudgetError
 from tierswap.io import footprint
-from tierswap.pipeline._behind import Behind, Ended
+from tierswap.pipeline._behind import Behind, Ended, settled_first
 from tierswap.pipeline._buffers import JobBuffers
+from tierswap.pipeline._device import DeviceSide
 from tierswap.pipeline._jobs import Job, Work
 from tierswap.pipeline._resident import ResidentJobs
 from tierswap.tiers import DEVICE, HOST, TierName
 
 __all__ = ["Pipeline"]
 
-P = ParamSpec("P")
 T = TypeVar("T")
-
-
-def _settled(
-    method: Callable[Concatenate[Pipeline, P], T],
-) -> Callable[Concatenate[Pipeline, P], T]:
-    """``method``, which first waits for the pipeline's work behind (:meth:`Pipeline.settle`)."""
-
-    @functools.wraps(method)
-    def settled(self: Pipeline, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        self._behind.settle()
-        return method(self, *args, **kwargs)
-
-    return settled
 
 
 @dataclasses.dataclass
@@ -134,14 +123,14 @@ class Pipeline:
         }
         self._device = device if device is not None else torch.device("cpu")
         self._transfers = transfers if transfers is not None else transfers_for(self._device)
-        # copies to the device: of jobs kept there, and with work_on_device of every job's
-        # tensors for its work (else the work gets host tensors, or resident device ones)
-        self._staging: DeviceStaging[Region] = DeviceStaging(self._transfers, self._ledgers[DEVICE])
-        self._work_on_device = work_on_device and self._transfers.moves
         self._reading: dict[Hashable, _Reading] = {}
         self._lent = 0  # jobs lent (:meth:`lend`) and not given back yet
         self._resident = ResidentJobs(self._ledgers)
         self._kept = self._resident.books  # the resident jobs' tensors, by tier
+        self._device_side = DeviceSide(
+            self._transfers, self._ledgers, self._kept, self._cv, work_on_device=work_on_device
+        )
+        self._staging = self._device_side.staging
         self._held: dict[Hashable, Job] = {}  # the resident jobs that hold() keeps
         self._disk = Disk(store, self._cv)  # reads, write-behinds and their errors
         self._behind = Behind()  # a flush whose writes (and commit) end behind the caller
@@ -155,7 +144,7 @@ class Pipeline:
         self.stall_seconds = 0.0
 
     # ------------------------------------------------------------------ the three stages
-    @_settled
+    @settled_first
     def prefetch(self, jobs: Iterable[Job]) -> None:
         """Start reading ``jobs`` (in order) while the budget has room; never blocks. The work
         buffer comes first: reads started ahead would otherwise be dropped to make room for it."""
@@ -173,7 +162,7 @@ class Pipeline:
             if not self._start_reads(job, wait=False):
                 return
 
-    @_settled
+    @settled_first
     def run(self, jobs: Sequence[Job], work: Work) -> None:
         """Run every job through read-ahead, ``work`` and write-behind, in order.
 
@@ -185,7 +174,7 @@ class Pipeline:
             self._disk.raise_errors()
             tensors = self._acquire(job)
             self._read_ahead(jobs[position + 1 :])  # the work buffer is held for all of them
-            staging, staged = self._staging_for(job), None
+            staging, staged = self._device_side.staging_for(self.resident_tier(job.name)), None
             try:
                 if staging is not None:
                     staged = staging.for_work(job.name, job.nbytes, tensors)
@@ -212,7 +201,7 @@ class Pipeline:
         reading = self._reading.get(name)
         return self.resident_tier(name) is not None or (reading is not None and reading.done.done())
 
-    @_settled
+    @settled_first
     def lend(self, job: Job) -> tuple[dict[Region, torch.Tensor], Callable[[], None]]:
         """The tensors of ``job``, a streamed job, read (or taken from a read started ahead),
         for a caller that still uses them after this returns (the source of a copy in flight),
@@ -230,7 +219,7 @@ class Pipeline:
             self._lent -= 1
             self._cv.notify_all()
 
-    @_settled
+    @settled_first
     def hold(self, job: Job) -> dict[Region, torch.Tensor]:
         """The tensors of ``job``'s regions, kept in host memory from this call on: read once
         (or taken from a read :meth:`prefetch` started), its ``nbytes`` reserved in the host
@@ -326,11 +315,11 @@ class Pipeline:
             self._kept[DEVICE][job.name].update(writes)
         elif tier == HOST:  # the results land in its tensors; its next use waits for them
             resident = self._kept[HOST][job.name]
-            on_host, landed = self._copy_out(resident, staged, writes)
+            on_host, landed = self._device_side.copy_out(resident, staged, writes)
             resident.update(on_host)
             self._staging.land(job.name, landed)
         elif not (job.tier == DEVICE and self._keep_on_device(job, tensors, staged, writes)):
-            host_writes, landed = self._copy_out(tensors, staged, writes)
+            host_writes, landed = self._device_side.copy_out(tensors, staged, writes)
             self._write(host_writes, after=landed, then=lambda _: self._give_back(job, tensors))
             self._ledgers[HOST].count_moved(out=nbytes_of(host_writes))
             return
@@ -343,47 +332,17 @@ class Pipeline:
         staged: Staged[Region] | None,
         writes: dict[Region, torch.Tensor],
     ) -> bool:
-        """Make ``job`` resident in the device tier after its first pass; ``False`` when that
-        tier has no room for it (it then streams, as any other job)."""
-        device, host, merged = self._ledgers[DEVICE], self._ledgers[HOST], {**tensors, **writes}
-        if staged is None and not self._transfers.moves:  # a device tier in host memory
-            if not device.try_reserve(job.nbytes):
-                return False
-            self._kept[DEVICE].keep(job.name, merged, job.nbytes)  # the same buffers, which
-            with self._cv:  # leave the host's books
-                host.release(job.nbytes)
-                device.count_moved(into=nbytes_of(merged))
-                host.count_moved(out=nbytes_of(merged))
-            return True
-        if staged is None:
-            staged = self._staging.copy_in(job.nbytes, merged, wait=False)
-            if staged is None:
-                return False
-            host.count_moved(out=nbytes_of(merged))
-            kept = self._staging.ready(staged)
-        else:  # on the device already, its bytes reserved there: they stay if the device
-            with self._cv:  # still has room for the work of one more job
-                if device.free < job.nbytes:
-                    return False
-            kept = {region: copy.device_tensor for region, copy in staged.copies.items()}
-        self._kept[DEVICE].keep(job.name, {**kept, **writes}, job.nbytes)
-        # the host buffers go back to the pool once the copies have read them
-        staged.read.add_done_callback(lambda _: self._give_back(job, tensors))
-        return True
+        """Make ``job`` resident in the device tier after its first pass (its host buffers go
+        back to the pool once no copy reads them); ``False`` when that tier has no room."""
+        give_back = functools.partial(self._give_back, job, tensors)
+        return self._device_side.keep(job, tensors, staged, writes, give_back=give_back)
 
     # ------------------------------------------------------------------ the device side
-    def _staging_for(self, job: Job) -> DeviceStaging[Region] | None:
-        """What copies ``job``'s tensors to the device for its work; ``None`` when the work gets
-        them as they are (no work on the device, or a job resident there)."""
-        if not self._work_on_device or self.resident_tier(job.name) == DEVICE:
-            return None
-        return self._staging
-
     def _stage_ahead(self, job: Job) -> None:
         """Issue ``job``'s copy to the device now, so that it runs during the work before it,
         when its bytes are in host memory and the device has room (else the copy is issued
         when the job is acquired)."""
-        staging = self._staging_for(job)
+        staging = self._device_side.staging_for(self.resident_tier(job.name))
         if staging is None or not staging.landed(job.name):
             return  # no copy to issue, or its last results still land in its host tensors
         tensors = self._kept[HOST].get(job.name)
@@ -392,20 +351,6 @@ class Pipeline:
             tensors = None if reading.done.exception() else reading.tensors
         if tensors is not None:
             staging.ahead(job.name, job.nbytes, tensors)
-
-    def _copy_out(
-        self,
-        host: dict[Region, torch.Tensor],
-        staged: Staged[Region] | None,
-        writes: dict[Region, torch.Tensor],
-    ) -> tuple[dict[Region, torch.Tensor], Future[Any]]:
-        """The host tensors to write for ``writes`` (copied into ``host``'s buffers of the same
-        regions when they are elsewhere) and the future of the moment they hold the bytes and
-        no copy of the job reads its host buffers any more."""
-        on_host, landed = to_host_all(self._transfers, host, writes)
-        if staged is not None:
-            landed = self._staging.finished(staged, landed, nbytes_of(writes))
-        return on_host, landed
 
     # ------------------------------------------------------------------ budget and buffers
     def _make_room(self, nbytes: int, sizes: Sequence[int] = ()) -> list[torch.Tensor | None]:
@@ -485,7 +430,7 @@ class Pipeline:
         return dtype
 
     # ------------------------------------------------------------------ ends of a pass
-    @_settled
+    @settled_first
     def drain(self) -> None:
         """Wait for every write-behind and every copy back into host-resident tensors; raise
         the first write that failed."""
@@ -493,7 +438,7 @@ class Pipeline:
         self._staging.wait_landing()
         self._disk.raise_errors()
 
-    @_settled
+    @settled_first
     def release(self, names: Iterable[Hashable] | None = None) -> None:
         """Drop reads and device copies started ahead that no job consumed (e.g. prefetched,
         then not stepped): all of them, or those of the jobs ``names``."""
@@ -512,7 +457,7 @@ class Pipeline:
         reading.done.exception()  # wait: the buffers are being filled
         self._give_back(reading.job, reading.tensors)
 
-    @_settled
+    @settled_first
     def flush(self, *, transient: bool = False) -> None:
         """Write every resident job's tensors to the store (with ``transient``, its
         ``Job.transient`` regions too) and wait for all writes."""
@@ -520,7 +465,7 @@ class Pipeline:
         self.drain()  # waits for the writes, and raises the first that failed
         self._flushed(moved)
 
-    @_settled
+    @settled_first
     def flush_behind(self, then: Callable[[], T], ended: Ended) -> Future[T]:
         """Start writing every resident job's tensors (as :meth:`flush`, without the
         transient regions) and return; on a thread of its own, once all writes have ended,
@@ -574,7 +519,7 @@ class Pipeline:
         for tier, nbytes in moved.items():
             self._ledgers[tier].count_moved(out=nbytes)
 
-    @_settled
+    @settled_first
     def write(self, writes: dict[Region, torch.Tensor]) -> Future[Any]:
         """Start writing ``writes`` straight from the caller's host tensors (no copy: they
         must not change until the future completes); its failure is the future's alone (not
@@ -582,7 +527,7 @@ class Pipeline:
         an overlapping region waits for it, and :meth:`drain` waits for it to end."""
         return self._write(writes, keep_errors=False)
 
-    @_settled
+    @settled_first
     def write_behind(self, writes: dict[Region, torch.Tensor]) -> None:
         """Write ``writes`` (on the host or the device) behind the caller, from copies (cast to
         the stored arrays' dtypes) in pooled host buffers reserved in the host budget, given
@@ -630,7 +575,7 @@ class Pipeline:
             self._drop_reading(name)
         return self._disk.write(writes, after=after, then=then, keep_errors=keep_errors)
 
-    @_settled
+    @settled_first
     def evict(self) -> None:
         """Write resident tensors back and drop them (before the store's keys are rewritten),
         and let the work buffer go."""
@@ -642,18 +587,18 @@ class Pipeline:
             self._held.clear()
             self._dtypes.clear()
 
-    @_settled
+    @settled_first
     def unflushed(self, name: Hashable) -> bool:
         """Whether resident job ``name``'s tensors changed (its work, or :meth:`touch`) since
         they were read or last flushed: the store's copy is older."""
         return self._resident.unflushed(name)
 
-    @_settled
+    @settled_first
     def touch(self, name: Hashable) -> None:
         """The caller changed resident job ``name``'s tensors in place (:meth:`unflushed`)."""
         self._resident.touch(name)
 
-    @_settled
+    @settled_first
     def reload(self, name: Hashable, regions: Iterable[Region]) -> None:
         """Read ``regions`` of job ``name``, if resident, back from the store into its tensors
         (the store's copies went back to a savepoint), after the writes in flight; it then
@@ -662,7 +607,7 @@ class Pipeline:
         self._staging.wait_landing(name)
         self._resident.reload(name, regions, self._disk)
 
-    @_settled
+    @settled_first
     def resident(self, name: Hashable) -> dict[Region, torch.Tensor] | None:
         """The tensors of resident job ``name`` (``None`` when it is not in memory)."""
         self._staging.wait_landing(name)
