@@ -1,10 +1,11 @@
 """A training process for the kill-and-resume tests.
 
-``python -m tests.optim.train_child DIR [muon|8bit|stream]`` trains TinyNet with a
+``python -m tests.optim.train_child DIR [muon|8bit|stream|auto]`` trains TinyNet with a
 SwapOptimizer committing every step and prints ``committed <n>`` after each step until it is
-killed. With ``stream``, the optimizer streams the model's parameters and gradients too
-(``offload_parameters=True``). With
-``muon``, the matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
+killed. With ``auto``, it commits as ``commit_every="auto"`` does, behind the steps, its state
+resident in RAM (each commit writes it all). With ``stream``, the optimizer streams the
+model's parameters and gradients too (``offload_parameters=True``). With ``muon``, the
+matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
 (:func:`muon_groups`). With ``8bit``, a net of two 8192-element weights (:func:`compact_net`)
 keeps 8-bit moments at a budget that streams them, its scales held in host memory.
 
@@ -46,6 +47,8 @@ MUON_KWARGS = {**CHILD_KWARGS, "host_budget": 64 << 10}  # whole matrices and th
 COMPACT_KWARGS = {**CHILD_KWARGS, "host_budget": 128 << 10, "state_precision": "8bit"}
 #: Parameters and gradients in the swap folder too: a slice holds a gradient page more
 STREAM_KWARGS = {**CHILD_KWARGS, "host_budget": 20480, "offload_parameters": True}
+#: The default commits, which end behind their steps, of the state resident in RAM
+AUTO_KWARGS = {**CHILD_KWARGS, "host_budget": None, "commit_every": "auto"}
 
 
 def compact_net() -> torch.nn.Module:
@@ -70,6 +73,8 @@ def main(swap_dir: str, recipe: str = "adamw") -> None:
     _, model = make_models()
     if recipe == "muon":
         opt = SwapOptimizer(muon_groups(model), torch.optim.AdamW, swap_dir=swap_dir, **MUON_KWARGS)
+    elif recipe == "auto":
+        opt = SwapOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, **AUTO_KWARGS)
     elif recipe == "stream":
         opt = SwapOptimizer(model, torch.optim.AdamW, swap_dir=swap_dir, **STREAM_KWARGS)
     elif recipe == "8bit":

@@ -222,6 +222,7 @@ class StateBackend:
         self.pipeline.flush_behind(lambda: self._record(blob, meta), ended)
 
     def _record(self, small: torch.Tensor, meta: dict[str, Any]) -> int:
+        """Put the serialized ``small`` and commit the store with ``meta``."""
         self.store.put(SMALL_KEY, small)
         return self.store.commit({META_KEY: meta})
 

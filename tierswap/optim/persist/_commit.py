@@ -62,7 +62,11 @@ def commit_behind(parts: OptimizerParts) -> None:
         else:
             _lagged_again(parts, lagged)
 
-    parts.backend.commit_behind(small, meta, ended)
+    try:
+        parts.backend.commit_behind(small, meta, ended)
+    except BaseException:  # its writes did not all start
+        _lagged_again(parts, lagged)
+        raise
 
 
 def _prepare(
