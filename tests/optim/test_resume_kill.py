@@ -73,46 +73,30 @@ def _child_reference(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return ref_model, ref, ref_sched, last_lr
 
 
-def test_sigkilled_run_resumes_bit_exact(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "kwargs", "least"),
+    [("adamw", CHILD_KWARGS, 5), ("auto", AUTO_KWARGS, 1)],
+    ids=["commit-every-step", "commits-behind"],
+)
+def test_sigkilled_run_resumes_bit_exact(tmp_path, recipe, kwargs, least) -> None:
+    """Killed after its eighth step (or fifth, committing every step), the folder holds a
+    commit whole, and the resumed run goes on as torch's AdamW. ``commits-behind``:
+    ``commit_every="auto"``, whose commits write the state resident in RAM on a thread while
+    the next step goes on, so that a kill may come in the middle of one; the first step
+    commits."""
     swap_dir = tmp_path / "run"
-    _run_until_killed(swap_dir, min_steps=5)
+    _run_until_killed(swap_dir, 8 if recipe == "auto" else 5, recipe)
     _, model = make_models(seed=11)  # the resume overwrites these weights
     opt = SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **CHILD_KWARGS
+        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **kwargs
     )
     with opt:
         done = opt.steps
-        assert done >= 5
+        assert done >= least
         ref_model, ref, ref_sched, last_lr = _child_reference(done)
         assert_same_params(ref_model, model)
-        # the commit happens inside step(), before the scheduler moved lr on: it holds the lr
-        # of the last committed step (a resumed run restores its scheduler separately)
-        assert opt.param_groups[0]["lr"] == last_lr
-        opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
-        assert_same_state(ref.state_dict(), opt.state_dict())
-        for step in range(done, done + 2):
-            train_step(ref_model, ref, batch_for_step(step))
-            train_step(model, opt, batch_for_step(step))
-            ref_sched.step()
-            opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
-        assert_same_params(ref_model, model)
-
-
-def test_sigkilled_run_with_commits_behind_its_steps_resumes_bit_exact(tmp_path) -> None:
-    """``commit_every="auto"``: each commit writes the resident state on a thread while the
-    next step goes on, so a kill may come in the middle of one; the folder holds an earlier
-    commit whole, and the resumed run goes on as torch's AdamW."""
-    swap_dir = tmp_path / "run"
-    _run_until_killed(swap_dir, 8, "auto")
-    _, model = make_models(seed=11)  # the resume overwrites these weights
-    opt = SwapOptimizer(
-        model.parameters(), torch.optim.AdamW, swap_dir=swap_dir, resume=True, **AUTO_KWARGS
-    )
-    with opt:
-        done = opt.steps
-        assert 1 <= done <= 9  # the first step commits; the child was killed after its 8th
-        ref_model, ref, ref_sched, last_lr = _child_reference(done)
-        assert_same_params(ref_model, model)
+        # the commit is made in step(), before the scheduler moved lr on: it holds the lr of
+        # the last committed step (a resumed run restores its scheduler separately)
         assert opt.param_groups[0]["lr"] == last_lr
         opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
         assert_same_state(ref.state_dict(), opt.state_dict())
