@@ -48,20 +48,17 @@ class Behind:
     (:meth:`settle`).
 
     Concurrency: :meth:`start` and :meth:`settle` are called under the pipeline's rule (one
-    caller thread at a time); the work runs on a thread started for it, which touches nothing
-    of the pipeline's but what the work itself does; ``ended`` runs on the settling thread.
-    A failure is raised once, by the next :meth:`settle`.
+    caller thread at a time), and a lock makes each work's end settle once even if two threads
+    settle at once; the work runs on a thread started for it, which touches nothing of the
+    pipeline's but what the work itself does; ``ended`` runs on the settling thread. A failure
+    is raised once, by the next :meth:`settle`.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()  # held by the settle that waits, so ``ended`` runs once
         self._future: Future[Any] | None = None
         self._ended: Ended = lambda error, at: None
         self._at = 0.0  # when the work ended (set on its thread before its future is done)
-
-    @property
-    def pending(self) -> bool:
-        """Work started and not settled yet (running, or ended)."""
-        return self._future is not None
 
     def start(self, work: Callable[[], T], ended: Ended) -> Future[T]:
         """Run ``work`` on a thread of its own (``"tierswap-behind"``) and return its future;
@@ -81,22 +78,26 @@ class Behind:
                 self._at = time.monotonic()
                 future.set_result(result)
 
-        # a daemon: an interpreter that exits without closing the pipeline's owner drops the
-        # work as a crash would (the store keeps its last commit); owners close at exit first
-        threading.Thread(target=run, name="tierswap-behind", daemon=True).start()
-        self._future, self._ended = future, ended  # (a thread that did not start: none)
+        with self._lock:
+            # a daemon: an interpreter that exits without closing the pipeline's owner drops
+            # the work as a crash would (the store keeps its last commit); owners close at exit
+            threading.Thread(target=run, name="tierswap-behind", daemon=True).start()
+            self._future, self._ended = future, ended  # (a thread that did not start: none)
         return future
 
     def settle(self) -> None:
         """Wait for the work in flight, if any, and call its ``ended``; raise its failure
         (once)."""
-        future, ended = self._future, self._ended
-        if future is None:
+        if self._future is None:  # the common case: nothing behind, no lock taken
             return
-        error = future.exception()  # waits
-        self._future, self._ended = None, lambda error, at: None
-        try:
-            ended(error, self._at)
-        finally:
-            if error is not None:
-                raise error
+        with self._lock:
+            future, ended = self._future, self._ended
+            if future is None:
+                return
+            error = future.exception()  # waits
+            self._future, self._ended = None, lambda error, at: None
+            try:
+                ended(error, self._at)
+            finally:
+                if error is not None:
+                    raise error
