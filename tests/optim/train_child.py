@@ -2,12 +2,14 @@
 
 ``python -m tests.optim.train_child DIR [muon|8bit|stream|auto]`` trains TinyNet with a
 SwapOptimizer committing every step and prints ``committed <n>`` after each step until it is
-killed. With ``auto``, it commits as ``commit_every="auto"`` does, behind the steps, its state
-resident in RAM (each commit writes it all). With ``stream``, the optimizer streams the
-model's parameters and gradients too (``offload_parameters=True``). With ``muon``, the
-matrices step with torch.optim.Muon and the rest with AdamW, in one SwapOptimizer
-(:func:`muon_groups`). With ``8bit``, a net of two 8192-element weights (:func:`compact_net`)
-keeps 8-bit moments at a budget that streams them, its scales held in host memory.
+killed. With ``auto``, it commits as ``commit_every="auto"`` does, its state resident in RAM
+(each commit writes it all), and each forward waits a while off the CPU as on a GPU
+(:data:`GPU_LIKE_WAIT`), so that the commits end behind their steps. With ``stream``, the
+optimizer streams the model's parameters and gradients too (``offload_parameters=True``).
+With ``muon``, the matrices step with torch.optim.Muon and the rest with AdamW, in one
+SwapOptimizer (:func:`muon_groups`). With ``8bit``, a net of two 8192-element weights
+(:func:`compact_net`) keeps 8-bit moments at a budget that streams them, its scales held in
+host memory.
 
 ``python -m tests.optim.train_child --serve`` is a fork server for many kill trials: a fork
 costs milliseconds where a new interpreter importing torch costs a second or two. It imports
@@ -31,6 +33,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -47,8 +50,13 @@ MUON_KWARGS = {**CHILD_KWARGS, "host_budget": 64 << 10}  # whole matrices and th
 COMPACT_KWARGS = {**CHILD_KWARGS, "host_budget": 128 << 10, "state_precision": "8bit"}
 #: Parameters and gradients in the swap folder too: a slice holds a gradient page more
 STREAM_KWARGS = {**CHILD_KWARGS, "host_budget": 20480, "offload_parameters": True}
-#: The default commits, which end behind their steps, of the state resident in RAM
+#: The default commits of the state resident in RAM (behind their steps, with GPU_LIKE_WAIT)
 AUTO_KWARGS = {**CHILD_KWARGS, "host_budget": None, "commit_every": "auto"}
+
+
+#: Seconds the ``auto`` recipe's forward waits off the CPU, as when a GPU computes: the
+#: process then keeps its cores mostly idle between steps, so commits end behind the steps
+GPU_LIKE_WAIT = 0.05
 
 
 def compact_net() -> torch.nn.Module:
@@ -89,6 +97,8 @@ def main(swap_dir: str, recipe: str = "adamw") -> None:
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=CHILD_LR_DECAY)
     step = 0
     while True:
+        if recipe == "auto":
+            time.sleep(GPU_LIKE_WAIT)
         train_step(model, opt, batch_for_step(step))
         sched.step()
         step += 1

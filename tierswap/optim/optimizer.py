@@ -87,10 +87,11 @@ class SwapOptimizer(Assembly):
         When the swap folder commits atomically (a restart point). ``"auto"`` (default):
         whenever the time since the last commit reaches nine times what that commit cost, so
         commits take about a tenth of the training time whatever stays resident (under
-        ``torch.distributed``, where all ranks must commit the same steps: every step). Such a
-        commit ends behind its step: :meth:`step` returns once its writes have started, and
-        the next use of the swap space (in the next backward, or a forward that reads
-        parameters from it) waits for it; :meth:`synchronize` too. ``N``: every N steps, each
+        ``torch.distributed``, where all ranks must commit the same steps: every step). Where
+        the forward leaves the CPU mostly idle (a GPU computes), such a commit ends behind its
+        step: :meth:`step` returns once its writes have started, and the next use of the swap
+        space (in the next backward, or a forward that reads parameters from it) waits for it;
+        :meth:`synchronize` too. ``N``: every N steps, each
         done when its :meth:`step` returns; ``0``: only on :meth:`commit`. :meth:`close`
         commits the steps since the last commit.
     resume:
@@ -337,7 +338,7 @@ class SwapOptimizer(Assembly):
     def synchronize(self) -> None:
         """Wait until the last step is done, its writes and commit included (the step returns
         while its last slices are still being written, or, with ``overlap="forward"``, before
-        they step; a commit of ``commit_every="auto"`` ends behind it); raise a failure of
+        they step; a commit of ``commit_every="auto"`` may end behind it); raise a failure of
         it."""
         self._settle()
         persist.drain_writes(self._parts)

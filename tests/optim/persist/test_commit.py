@@ -1,9 +1,10 @@
-"""Commits at the end of a step: they end behind the caller, and the swap space's next use
-waits for them."""
+"""Commits at the end of a step: with ``commit_every="auto"`` and a forward that leaves the CPU
+idle they end behind the caller, and the swap space's next use waits for them."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import tierswap as ts
 from tests.optim.models import assert_same_params, batches, make_models, train_step
 from tierswap.errors import OutOfSpaceError
 from tierswap.optim import SwapOptimizer
+from tierswap.optim.persist import CommitClock
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -42,13 +44,22 @@ class StoreCommits:
         monkeypatch.setattr(ts.SwapStore, "commit", wrapped)
 
 
+@pytest.fixture
+def ends_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every due commit of ``"auto"`` ends behind its step, the first included, as when the
+    forwards leave the CPU idle (the clock's measure of that: ``test_commit_clock``)."""
+    monkeypatch.setattr(CommitClock, "behind", lambda clock: clock.every == "auto")
+
+
 def _committed_steps(path: Path) -> int:
     with ts.SwapStore(path, mode="r") as reader:  # a reader: the optimizer holds the lock
         return int(reader.meta.get("tierswap.optim", {}).get("steps", 0))
 
 
 @pytest.mark.parametrize("host_budget", ["64KiB", None], ids=["streamed", "resident"])
-def test_a_commit_of_auto_ends_behind_the_next_forward(tmp_path, monkeypatch, host_budget) -> None:
+def test_a_commit_of_auto_ends_behind_the_next_forward(
+    tmp_path, monkeypatch, ends_behind, host_budget
+) -> None:
     """With ``commit_every="auto"`` step() returns while its commit is still to be recorded;
     the next forward runs beside it; the next use of the swap space waits for it; training
     stays bitwise, and ``synchronize()`` waits for the commit."""
@@ -84,7 +95,7 @@ def test_a_commit_of_auto_ends_behind_the_next_forward(tmp_path, monkeypatch, ho
     assert _committed_steps(swap_dir) == 4
 
 
-def test_a_commit_of_commit_every_n_ends_in_its_step(tmp_path, monkeypatch) -> None:
+def test_a_commit_of_commit_every_n_ends_in_its_step(tmp_path, monkeypatch, ends_behind) -> None:
     commits = StoreCommits(monkeypatch)
     model, _ = make_models()
     swap_dir = tmp_path / "swap"
@@ -98,7 +109,7 @@ def test_a_commit_of_commit_every_n_ends_in_its_step(tmp_path, monkeypatch) -> N
 
 
 def test_a_failed_commit_behind_is_raised_by_the_next_use_and_a_later_commit_holds_all(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, ends_behind
 ) -> None:
     """The failure is raised once, by the next use of the swap space; the folder keeps its
     last commit; training goes on, and a later commit holds everything (a resume continues
@@ -128,3 +139,30 @@ def test_a_failed_commit_behind_is_raised_by_the_next_use_and_a_later_commit_hol
     train_step(ref, plain, xs[4])
     resumed.close()
     assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("gpu_like", [True, False], ids=["forward-off-the-cpu", "forward-on-it"])
+def test_auto_ends_commits_behind_a_forward_that_leaves_the_cpu_idle(
+    tmp_path, monkeypatch, gpu_like
+) -> None:
+    """A forward that waits off the CPU (as on a GPU) lets the commits after the second step
+    end behind; the first commits within its step (nothing measured yet). A forward that keeps
+    the cores busy keeps every commit within its step (faked here: the clock's CPU time then
+    runs with the wall clock on every core)."""
+    commits = StoreCommits(monkeypatch)
+    if not gpu_like:
+        monkeypatch.setattr(time, "process_time", lambda: time.monotonic() * 64)
+    model, ref = make_models()
+    plain = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    opt = SwapOptimizer(
+        model.named_parameters(), torch.optim.AdamW, swap_dir=tmp_path / "swap", **ADAMW
+    )
+    for x in batches(100):
+        time.sleep(0.03)  # the forward's time off the CPU
+        train_step(model, opt, x)
+        train_step(ref, plain, x)
+        if len(commits.threads) >= 2:
+            break
+    opt.close()
+    assert_same_params(model, ref)
+    assert commits.threads[:2] == ["MainThread", "tierswap-behind" if gpu_like else "MainThread"]

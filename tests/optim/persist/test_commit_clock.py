@@ -7,7 +7,7 @@ import torch
 
 from tierswap.errors import ConfigError
 from tierswap.optim import SwapOptimizer
-from tierswap.optim.persist._commit_clock import AUTO_SHARE, CommitClock
+from tierswap.optim.persist._commit_clock import AUTO_SHARE, BEHIND_BELOW, CommitClock
 
 
 class FakeTime:
@@ -121,3 +121,74 @@ def test_auto_commits_every_step_under_torch_distributed(monkeypatch, tmp_path) 
         assert opt._parts.commits.every == 1
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "t", commit_every=5) as opt:
         assert opt._parts.commits.every == 5
+
+
+def _behind_decisions(every: int | str, busy: float, steps: int = 40) -> list[tuple[int, bool]]:
+    """Steps of 1 s between which the process keeps ``busy`` of its 4 cores busy (the forward)
+    and then computes 0.2 s on one core (the step); commits cost 0.5 s, on one core when they
+    end within their step. Returns (step, behind) of the steps that committed."""
+    time, cpu = FakeTime(), FakeTime()
+    clock = CommitClock(every, time, cpu, cores=4)
+    decided = []
+    for step in range(1, steps + 1):
+        time.now += 1.0
+        cpu.now += 4 * busy
+        if not clock.due(step):
+            time.now += 0.2
+            cpu.now += 0.2
+            clock.stepped()
+            continue
+        time.now += 0.2
+        cpu.now += 0.2
+        clock.stepped()
+        behind = clock.behind()
+        decided.append((step, behind))
+        if not behind:
+            time.now += 0.5
+            cpu.now += 0.5
+            clock.committed(0.5)
+        else:  # its end is seen in the next forward; what that forward costs is not measured
+            clock.committed(0.5, behind=True)
+    return decided
+
+
+@pytest.mark.parametrize("busy", [0.05, BEHIND_BELOW - 0.1])
+def test_auto_ends_commits_behind_forwards_that_leave_the_cpu_idle(busy) -> None:
+    decided = _behind_decisions("auto", busy)
+    assert decided[0] == (1, False)  # nothing measured yet: it ends within its step
+    assert len(decided) > 3
+    assert all(behind for _, behind in decided[1:])
+
+
+@pytest.mark.parametrize("busy", [BEHIND_BELOW, 1.0])
+def test_auto_ends_commits_within_steps_whose_forwards_keep_the_cpu_busy(busy) -> None:
+    decided = _behind_decisions("auto", busy)
+    assert len(decided) > 3
+    assert not any(behind for _, behind in decided)
+
+
+def test_commit_every_n_always_ends_within_its_step() -> None:
+    """``commit_every=N`` promises a commit when step() returns (kill -9 resumes from it)."""
+    decided = _behind_decisions(2, 0.0, steps=10)
+    assert decided == [(step, False) for step in range(2, 11, 2)]
+
+
+def test_a_forward_that_turns_busy_ends_the_commits_behind() -> None:
+    """The CPU's share is measured again after every commit that ended within its step and
+    every step without a commit, so a run whose forward turns busy stops committing behind."""
+    time, cpu = FakeTime(), FakeTime()
+    clock = CommitClock("auto", time, cpu, cores=2)
+    for step, busy in [(1, 0.1), (2, 0.1)]:
+        time.now += 1.0
+        cpu.now += 2 * busy
+        clock.due(step)
+        clock.stepped()
+        if step == 1:
+            clock.committed(0.01)
+    assert clock.busy == pytest.approx(0.1)
+    time.now += 1.0
+    cpu.now += 2 * 0.9  # busy from here on
+    assert clock.due(3)
+    clock.stepped()
+    assert clock.busy == pytest.approx(0.9)
+    assert not clock.behind()

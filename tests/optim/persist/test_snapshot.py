@@ -136,8 +136,8 @@ def test_snapshot_commits_only_when_the_last_commit_is_stale(tmp_path: Path) -> 
     model, _ = make_models()
     xs = batches(2)
     with SwapOptimizer(model.parameters(), swap_dir=tmp_path / "live", **KW) as opt:
-        train_step(model, opt, xs[0])  # "auto" commits the first step, behind it
-        opt.synchronize()  # which waits for that commit
+        train_step(model, opt, xs[0])  # "auto" commits the first step
+        opt.synchronize()  # which waits for that commit, had it ended behind
         store = opt._backend.store
         generation = store.generation
         opt.snapshot(tmp_path / "a")

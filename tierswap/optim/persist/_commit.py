@@ -58,7 +58,7 @@ def commit_behind(parts: OptimizerParts) -> None:
 
     def ended(error: BaseException | None, at: float) -> None:
         if error is None:
-            _committed(parts, started, at)
+            _committed(parts, started, at, behind=True)
         else:
             _lagged_again(parts, lagged)
 
@@ -104,10 +104,13 @@ def _lagged_again(parts: OptimizerParts, lagged: dict[int, set[Region]]) -> None
         parts.state.unwritten_masters.setdefault(index, set()).update(regions)
 
 
-def _committed(parts: OptimizerParts, started: float, ended: float) -> None:
-    """A commit that started at ``started`` ended at ``ended`` (``time.monotonic()``)."""
+def _committed(
+    parts: OptimizerParts, started: float, ended: float, *, behind: bool = False
+) -> None:
+    """A commit that started at ``started`` ended at ``ended`` (``time.monotonic()``),
+    ``behind`` its step or not."""
     parts.state.changed = False  # the commit holds any state loaded before it
-    parts.commits.committed(ended - started)
+    parts.commits.committed(ended - started, behind=behind)
 
 
 def _contents(parts: OptimizerParts) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -382,9 +382,9 @@ class Stepper:
         )
         self.parts.state.grad_edits.clear()  # they edited this step's gradients
         self.parts.commits.stepped()
-        if due and self.parts.commits.every == "auto":  # no step asked for: it ends behind
+        if due and self.parts.commits.behind():  # "auto", and the forward leaves the CPU idle
             commit_behind(self.parts)  # the swap space's next use waits, the forward need not
-        elif due:  # commit_every=N: the step returns with its commit done
+        elif due:  # commit_every=N, or a forward that keeps the CPU busy: it ends here
             commit(self.parts)
 
     # -- gradient hooks -------------------------------------------------------------------
