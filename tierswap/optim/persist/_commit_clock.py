@@ -103,11 +103,9 @@ class CommitClock:
         """Whether the due commit of the step under way may end behind the next forward:
         with ``"auto"``, when the process left its cores mostly idle between the last two
         steps measured (:data:`BEHIND_BELOW`). Not measured yet: no. The forward it overlaps
-        is not measured (the commit's own work would count)."""
-        if self.every != "auto" or self.busy is None or self.busy >= BEHIND_BELOW:
-            return False
-        self._since = None
-        return True
+        is not measured (the commit's own work would count): the next measure starts after a
+        step without a commit, or after a commit that ends within its step."""
+        return self.every == "auto" and self.busy is not None and self.busy < BEHIND_BELOW
 
     def committed(self, seconds: float, *, behind: bool = False) -> None:
         """A commit (due, or asked for) took ``seconds``; the interval starts again now.
