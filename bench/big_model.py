@@ -10,8 +10,9 @@ offload_parameters=True, param_init_fn=model._init_weights)``: its parameters ge
 values in the swap folder one module at a time and never sit in memory together. Each
 iteration is forward, backward, ``clip_grad_norm_(model.parameters(), 1.0)``, ``step()``.
 
-Three processes, one after the other:
-  fio      sequential O_DIRECT bandwidth of the folder, for the I/O bound
+Three processes, one after the other, between two fio runs:
+  fio      sequential O_DIRECT bandwidth of the folder before and after the others, for the
+           I/O bound (the mean of the two: the disk's speed moves while the run goes on)
   compute  forward + backward of the same width in memory at --probe-layers (a few layers),
            with the bytes autograd saves (activations); both fitted linearly in the layers and
            extrapolated to --layers (the whole model's compute does not fit in memory)
@@ -223,9 +224,11 @@ def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
 
 
 def report(
-    args: argparse.Namespace, stream: dict, compute: dict, fio: dict[str, float]
+    args: argparse.Namespace, stream: dict, compute: dict, fio_runs: list[dict[str, float]]
 ) -> dict[str, Any]:
-    """Ratios of each iteration to max(compute, I/O bound), and the memory bound."""
+    """Ratios of each iteration to max(compute, I/O bound), the bound at the mean bandwidth
+    of the fio runs, and the memory bound."""
+    fio = {way: sum(run[way] for run in fio_runs) / len(fio_runs) for way in ("read", "write")}
     probes = compute["probes"]
     compute_s = _fit(probes, "seconds", args.layers)
     activations = _fit(probes, "activations", args.layers)
@@ -240,7 +243,8 @@ def report(
     return {
         "layers": args.layers, "width": args.width, "params": stream["params"],
         "dtype": "bf16 (fp32 masters as remainders)" if args.bf16 else "fp32",
-        "state_bytes": 16 * stream["params"], "fio": fio, "compute_s": compute_s,
+        "state_bytes": 16 * stream["params"], "fio": fio, "fio_runs": fio_runs,
+        "compute_s": compute_s,
         "activations": activations, "probes": probes, "init_s": stream["init_s"],
         "rows": rows, "steady_max_x_floor": max((r["x_floor"] for r in rows[1:]), default=None),
         # issue 30's measure: the loss falls over the first 3 steps (at 40 x 2560 the fourth
@@ -275,7 +279,9 @@ def print_report(rep: dict[str, Any], ram: int) -> None:
     print(f"\n== GPT-2 {rep['layers']} x {rep['width']}: {rep['params'] / 1e9:.2f}B {rep['dtype']} "
           f"parameters; parameters + gradients + AdamW state {state / 1e9:.1f} GB = "
           f"{state / ram:.2f}x this machine's RAM ({ram / 2**30:.1f} GiB)")  # fmt: skip
-    print(f"fio: read {rep['fio']['read'] / 1e9:.2f} GB/s, write {rep['fio']['write'] / 1e9:.2f}")
+    runs = ", ".join(f"{r['read'] / 1e9:.2f} / {r['write'] / 1e9:.2f}" for r in rep["fio_runs"])
+    print(f"fio: read {rep['fio']['read'] / 1e9:.2f} GB/s, write {rep['fio']['write'] / 1e9:.2f} "
+          f"(the mean of the runs before and after: read / write {runs})")  # fmt: skip
     print(f"compute (forward + backward, fitted from {len(rep['probes'])} probes): "
           f"{rep['compute_s']:.1f} s; activations {format_size(int(rep['activations']))}; "
           f"init {rep['init_s']:.0f} s")  # fmt: skip
@@ -338,11 +344,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with bench_folder(Path(args.dir)) as folder:
-        fio = required_fio_bandwidth(folder, 4 << 30)
+        before = required_fio_bandwidth(folder, 4 << 30)
         compute = _spawn(args, "compute", folder)
         stream = _spawn(args, "stream", folder)
         ram = _spawn(args, "ram", folder) if args.check_ram else None
-    rep = report(args, stream, compute, fio)
+        after = required_fio_bandwidth(folder, 4 << 30)
+    rep = report(args, stream, compute, [before, after])
     if ram is not None:
         rep["ram_losses"] = ram["losses"]
         rep["losses_bitwise"] = ram["losses"] == [row["loss"] for row in rep["rows"]]
