@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.optim.models import TinyNet, assert_same_params, batch_for_step, make_models
+from tests.optim.models import (
+    TinyNet,
+    assert_same_params,
+    assert_same_state,
+    batch_for_step,
+    make_models,
+)
 from tests.optim.stream.lockstep import train_gpt2_lockstep
 from tests.optim.train_child import muon_groups
 from tests.store.faults import inject, remove
@@ -234,6 +240,34 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
     train_gpt2_lockstep([(ref, plain), (model, opt)], 4, after_step=nothing_held)
     _same_state_dicts(ref, model)
     plain.close()
+    opt.close()
+    assert_same_params(ref, model)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-with-fp32-masters"]
+)
+def test_gpt2_with_streamed_parameters_ends_equal_to_the_training_in_memory(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """GPT-2 (tied weights), clipping every step, 5 steps: fp32 against torch's AdamW in
+    memory; bf16 parameters with fp32 masters against a SwapOptimizer holding everything in
+    memory (torch's AdamW keeps no masters). Every parameter and state tensor bitwise."""
+    ref, model = _gpt2("none").to(dtype), _gpt2("none").to(dtype)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    if dtype == torch.float32:
+        plain: torch.optim.Optimizer = torch.optim.AdamW(ref.named_parameters())
+    else:
+        plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", host_budget=None)
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=40960,
+        offload_parameters=True,
+    )  # fmt: skip
+    train_gpt2_lockstep([(ref, plain), (model, opt)], 5)
+    _same_state_dicts(ref, model)
+    assert_same_state(plain.state_dict(), opt.state_dict())
+    if isinstance(plain, SwapOptimizer):
+        plain.close()
     opt.close()
     assert_same_params(ref, model)
 
