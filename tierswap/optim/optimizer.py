@@ -91,9 +91,9 @@ class SwapOptimizer(Assembly):
         the forward leaves the CPU mostly idle (a GPU computes), such a commit ends behind its
         step: :meth:`step` returns once its writes have started, and the next use of the swap
         space (in the next backward, or a forward that reads parameters from it) waits for it;
-        :meth:`synchronize` too. ``N``: every N steps, each
-        done when its :meth:`step` returns; ``0``: only on :meth:`commit`. :meth:`close`
-        commits the steps since the last commit.
+        :meth:`synchronize` too. ``N``: every N steps, each done when its :meth:`step`
+        returns; ``0``: only on :meth:`commit`. :meth:`close` commits the steps since the last
+        commit.
     resume:
         Load master weights into the model params and restore state and step counts from the
         last commit in ``swap_dir``.

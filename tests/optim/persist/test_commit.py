@@ -157,7 +157,7 @@ def test_auto_ends_commits_behind_a_forward_that_leaves_the_cpu_idle(
     opt = SwapOptimizer(
         model.named_parameters(), torch.optim.AdamW, swap_dir=tmp_path / "swap", **ADAMW
     )
-    for x in batches(100):
+    for x in batches(400):  # until the clock commits again (a slow disk's sync: later)
         time.sleep(0.03)  # the forward's time off the CPU
         train_step(model, opt, x)
         train_step(ref, plain, x)
