@@ -95,7 +95,7 @@ def test_a_commit_of_auto_ends_behind_the_next_forward(
     assert _committed_steps(swap_dir) == 4
 
 
-def test_a_commit_of_commit_every_n_ends_in_its_step(tmp_path, monkeypatch, ends_behind) -> None:
+def test_a_commit_of_commit_every_n_ends_in_its_step(tmp_path, monkeypatch) -> None:
     commits = StoreCommits(monkeypatch)
     model, _ = make_models()
     swap_dir = tmp_path / "swap"

@@ -92,12 +92,13 @@ class CommitClock:
         """The slices of the step under way are done (its commit, if due, comes next)."""
         if self._decided is None:
             return
-        seconds = self._clock() - self._started
+        now = self._clock()
+        seconds = now - self._started
         if self._decided[1]:
             self._due_step = seconds
         else:
             self._plain = seconds
-            self._since = (self._clock(), self._cpu())
+            self._since = (now, self._cpu())
 
     def behind(self) -> bool:
         """Whether the due commit of the step under way may end behind the next forward:
