@@ -25,7 +25,7 @@ from tests.engine.recording import (
 )
 from tests.optim.models import assert_same_params, batch_for_step, make_models
 from tierswap.optim import SwapOptimizer
-from tierswap.optim.stream import _stream, _swap
+from tierswap.optim.stream import _storage, _stream, _swap
 from tierswap.optim.stream._swap import landed
 from tierswap.pipeline import Pipeline
 
@@ -35,6 +35,7 @@ def transfers(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingTransfers]:
     """The stand-in as the transfer layer of the parameters' device."""
     recording = RecordingTransfers()
     monkeypatch.setattr(_swap, "transfers_for", lambda device: recording)
+    monkeypatch.setattr(_storage, "transfers_for", lambda device: recording)  # allocations
     yield recording
     recording.close()
 

@@ -79,9 +79,8 @@ from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
 from tierswap.optim.stream._order import UseOrder
 from tierswap.optim.stream._placeholder import OffloadedGradient
-from tierswap.optim.stream._storage import free, nbytes, to_meta
+from tierswap.optim.stream._storage import ParameterMemory, nbytes, to_meta
 from tierswap.optim.stream._swap import (
-    allocate_for_upload,
     grad_room,
     keep_values,
     landed,
@@ -131,6 +130,8 @@ class ParameterStream:
         self._running: list[int] = []  # modules whose forward runs, the innermost last
         self._loose: set[int] = set()  # slots used outside forward: held until backward ends
         self._sizes: dict[int, int] = {}  # bytes of each slot's parameter values
+        self._largest = 0  # bytes of the largest module's parameters (0: not measured yet)
+        self._memory = ParameterMemory()
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order = UseOrder()  # modules in the order of their uses, recorded once
@@ -159,7 +160,7 @@ class ParameterStream:
         """Free the parameters of slots ``indices`` and guard them (warn of those it cannot)."""
         unguarded = []
         for slot in (self._slot(index) for index in sorted(indices)):
-            free(slot.param)
+            self._memory.free(slot.param)
             if not guard(slot.param, self, slot.index):
                 unguarded.append(slot.name or slot.prefix)
         warn_unguarded(unguarded)
@@ -179,6 +180,7 @@ class ParameterStream:
         self._modules = owners(model, self.parts.layout.slot_of)
         self._order.restart()
         self._sizes.clear()  # the layout's slots are numbered anew
+        self._largest = 0
         self._take(slot.index for slot in slots)
         self._hook()
 
@@ -210,8 +212,9 @@ class ParameterStream:
         swap folder, from which a run resumes)."""
         self._unhook()
         self.drop_ahead()
+        self._free(list(self._live))  # those kept may hold pool buffers: memory of their own
         for _, owned in self._modules:
-            self._fetch([i for i in owned if i not in self._meta_born])
+            self._fetch([i for i in owned if i not in self._meta_born], pooled=False)
         for index in self._streamed():
             unguard(self._slot(index).param)
         for index in self._meta_born:
@@ -364,6 +367,7 @@ class ParameterStream:
         if self._loose:
             self._let_go(self._release_loose())
         self._keep_edits(list(self._live))  # the step reads the masters, updates the values
+        self._memory.trim(self._budget - self.live_bytes)  # the step's memory, not theirs
         self._order.step_begins([owned for _, owned in self._modules])
 
     def drop_ahead(self) -> None:
@@ -440,12 +444,24 @@ class ParameterStream:
         self.copied_bytes += copied
         self.fetched_bytes += fetched
 
-    def _fetch(self, indices: list[int], *, later: list[ToDevice] | None = None) -> None:
+    def _room(self) -> int:
+        """Bytes that parameters' memory idle between uses may take: what ``device_budget``
+        (or, when it is smaller, the largest module's parameters, which a use takes in any
+        case) leaves beside the parameters holding values."""
+        if not self._largest:
+            self._largest = max(
+                (sum(self._bytes(i) for i in owned) for _, owned in self._modules), default=0
+            )
+        return max(self._budget, self._largest) - self.live_bytes
+
+    def _fetch(
+        self, indices: list[int], *, later: list[ToDevice] | None = None, pooled: bool = True
+    ) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
         kept between uses have them; those uploaded ahead are made ready), first freeing kept
         ones, those used latest first, as far as ``device_budget`` needs: it holds the
         parameters in use and the kept ones. ``later``: the copies of an upload ahead
-        (:meth:`_upload_ahead`), not waited for."""
+        (:meth:`_upload_ahead`), not waited for; ``pooled``: as :meth:`ParameterMemory.allocate`."""
         self._ready_uploads(indices)
         self._kept.difference_update(indices)
         missing = [i for i in indices if i not in self._live]
@@ -456,12 +472,13 @@ class ParameterStream:
             latest = max(self._kept, key=self._order.next_use)
             self._kept.discard(latest)
             self._free([latest])
+        params = [self._slot(i).param for i in missing]
         try:
-            targets = {i: allocate_for_upload(self._slot(i).param) for i in missing}
-            self._read_into(targets, later=later)
+            flats = self._memory.allocate(params, room=self._room() - need, pooled=pooled)
+            self._read_into(dict(zip(missing, flats, strict=True)), later=later)
         except BaseException:
-            for index in missing:
-                free(self._slot(index).param)
+            for param in params:
+                self._memory.free(param)
             raise
         self._live.update(missing)
         self._versions.update((i, self._slot(i).param._version) for i in missing)
@@ -496,11 +513,12 @@ class ParameterStream:
             write_lagging_masters(self.parts, live)
         for index in live:
             self.parts.state.unwritten_masters.pop(index, None)
-            free(self._slot(index).param)
+            self._memory.free(self._slot(index).param)
             self._live.discard(index)
             self._versions.pop(index, None)
             self._edited.discard(index)
             self.live_bytes -= self._bytes(index)
+        self._memory.trim(self._room())
 
     def edited(self, index: int) -> None:
         """An operation wrote into the values of slot ``index``'s parameter through an alias

@@ -7,13 +7,13 @@ read from the store by a job of the optimizer's :class:`~tierswap.pipeline.Pipel
 per segment, within the host budget) or written behind to it.
 
 Values go to a parameter on a GPU through the engine's transfer layer: its memory is allocated
-for uploads (:func:`allocate_for_upload`) and each segment is copied on the upload stream, so
-the copy runs while the kernels of the modules before it still compute; the compute stream
-waits for it before the module's kernels (the calling thread waits only until the copy has read
-the host buffer, which then goes back to the pool). A module uploaded ahead of its use
-(:func:`read_into` with ``later``) waits for neither: its host buffers are lent by the pipeline
-until each copy has read them, and the compute stream waits when the module runs
-(:func:`ready_all`).
+for uploads (:class:`~tierswap.optim.stream._storage.ParameterMemory`) and each segment is
+copied on the upload stream, so the copy runs while the kernels of the modules before it still
+compute; the compute stream waits for it before the module's kernels (the calling thread waits
+only until the copy has read the host buffer, which then goes back to the pool). A module
+uploaded ahead of its use (:func:`read_into` with ``later``) waits for neither: its host
+buffers are lent by the pipeline until each copy has read them, and the compute stream waits
+when the module runs (:func:`ready_all`).
 
 Private to :mod:`tierswap.optim.stream`.
 """
@@ -28,11 +28,9 @@ import torch
 from tierswap.engine import ToDevice, transfers_for
 from tierswap.io import footprint
 from tierswap.optim.plan import Layout, Segment, Slot, master_dtype
-from tierswap.optim.stream._storage import allocate
 from tierswap.pipeline import Job, Pipeline, Region
 
 __all__ = [
-    "allocate_for_upload",
     "empty_for_upload",
     "grad_room",
     "keep_grad",
@@ -107,17 +105,9 @@ def _keep(
             pipeline.write_behind({region: flat[seg.start : seg.stop]})
 
 
-def allocate_for_upload(param: torch.Tensor) -> torch.Tensor:
-    """Give ``param`` memory for :func:`read_into` to fill; returns its flat view. On a GPU it
-    comes from the upload stream's pool, so that the copies need not wait for the compute
-    stream."""
-    with transfers_for(param.device).allocating():
-        return allocate(param)
-
-
 def empty_for_upload(like: torch.Tensor) -> torch.Tensor:
-    """A new tensor of ``like``'s shape, dtype and device for :func:`read_into` to fill
-    (allocated as :func:`allocate_for_upload` allocates)."""
+    """A new tensor of ``like``'s shape, dtype and device for :func:`read_into` to fill (on
+    a GPU from the upload stream's pool, as a parameter's memory)."""
     with transfers_for(like.device).allocating():
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
@@ -132,8 +122,8 @@ def read_into(
     later: list[ToDevice] | None = None,
 ) -> tuple[int, int]:
     """Fill each flat tensor of ``targets`` (slot index -> tensor; on a GPU, memory allocated
-    for uploads: :func:`allocate_for_upload`, :func:`empty_for_upload`) with that slot's master
-    (or, with ``grad``, its kept gradient): copied from the resident slices, read from the
+    for uploads: ``ParameterMemory.allocate``, :func:`empty_for_upload`) with that slot's
+    master (or, with ``grad``, its kept gradient): copied from the resident slices, read from the
     store for the others (the reads named in ``ahead``, started ahead, are consumed: their
     names leave it). Bytes copied, bytes read.
 
