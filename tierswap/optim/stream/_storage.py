@@ -11,10 +11,12 @@ A parameter built on the meta device cannot change device in place through ``.da
 swapped for one on the real device whose storage is empty (``torch.utils.swap_tensors``: the
 same Python object), and back to the meta device when the optimizer closes.
 
-:class:`ParameterMemory` refills the storages of large parameters on the CPU with memory
-reused between uses: the allocator maps fresh pages for each large allocation and the first
-write to each faults (a 105 MB parameter filled at 3.2 GB/s, against 19 GB/s into memory
-already mapped, on the 2-core bench machine).
+:class:`ParameterMemory` refills the storages of large parameters on the CPU with the
+engine's page-aligned buffers: memory that ``device_budget`` leaves room for is reused between
+uses, and fresh buffers ask for transparent huge pages. torch's allocator maps fresh 4 KiB
+pages for each large allocation, and the first write to each faults. A 105 MB parameter (the
+2-core bench machine) filled at 3.0 GB/s from the allocator, 7.6-13.6 GB/s into a fresh
+buffer, 26 GB/s into a reused one.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class ParameterMemory:
     A large parameter on the CPU (:data:`POOLED_FROM`) gets a page-aligned buffer of an
     engine :class:`~tierswap.engine.BufferPool`, swapped into its own storage (every view of
     the storage, autograd's saved ones among them, sees it) and swapped out to the pool when
-    it is freed, so that the next parameter of its size reuses mapped pages. The idle buffers
-    stay within the room the caller gives (:meth:`allocate`, :meth:`trim`). Other parameters
+    it is freed. Idle buffers stay within the room the caller gives (:meth:`allocate`,
+    :meth:`trim`), and the next parameter of their size reuses their mapped pages; a new one
+    asks for huge pages (:func:`~tierswap.io.aligned_empty`). Other parameters
     get memory from their device's allocator (on a GPU from the upload stream's pool:
     :meth:`~tierswap.engine.Transfers.allocating`), and give it back to it."""
 

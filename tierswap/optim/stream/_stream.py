@@ -130,7 +130,6 @@ class ParameterStream:
         self._running: list[int] = []  # modules whose forward runs, the innermost last
         self._loose: set[int] = set()  # slots used outside forward: held until backward ends
         self._sizes: dict[int, int] = {}  # bytes of each slot's parameter values
-        self._largest = 0  # bytes of the largest module's parameters (0: not measured yet)
         self._memory = ParameterMemory()
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
@@ -180,7 +179,6 @@ class ParameterStream:
         self._modules = owners(model, self.parts.layout.slot_of)
         self._order.restart()
         self._sizes.clear()  # the layout's slots are numbered anew
-        self._largest = 0
         self._take(slot.index for slot in slots)
         self._hook()
 
@@ -367,7 +365,6 @@ class ParameterStream:
         if self._loose:
             self._let_go(self._release_loose())
         self._keep_edits(list(self._live))  # the step reads the masters, updates the values
-        self._memory.trim(self._budget - self.live_bytes)  # the step's memory, not theirs
         self._order.step_begins([owned for _, owned in self._modules])
 
     def drop_ahead(self) -> None:
@@ -446,13 +443,8 @@ class ParameterStream:
 
     def _room(self) -> int:
         """Bytes that parameters' memory idle between uses may take: what ``device_budget``
-        (or, when it is smaller, the largest module's parameters, which a use takes in any
-        case) leaves beside the parameters holding values."""
-        if not self._largest:
-            self._largest = max(
-                (sum(self._bytes(i) for i in owned) for _, owned in self._modules), default=0
-            )
-        return max(self._budget, self._largest) - self.live_bytes
+        leaves beside the parameters holding values."""
+        return self._budget - self.live_bytes
 
     def _fetch(
         self, indices: list[int], *, later: list[ToDevice] | None = None, pooled: bool = True
