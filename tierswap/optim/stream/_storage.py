@@ -124,6 +124,17 @@ class ParameterMemory:
         param.untyped_storage()._swap_data_ptr_(holder)  # type: ignore[attr-defined]
         self._pool.give(torch.empty(0, dtype=torch.uint8).set_(holder))
 
+    def keep_own(self, param: torch.Tensor) -> None:
+        """Give ``param``, if it holds a pool buffer, memory of its own with the same values
+        (the optimizer closes: the model keeps its parameters as it owned them)."""
+        if id(param) not in self._pooled:
+            return
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():  # not a user's use
+            own = param.detach().clone(memory_format=torch.contiguous_format)
+        param.untyped_storage()._swap_data_ptr_(own.untyped_storage())  # type: ignore[attr-defined]
+        self._pooled.discard(id(param))
+        self._pool.give(own)  # it holds the buffer now
+
     def trim(self, room: int) -> None:
         """Free idle buffers, largest first, until they fit in ``room`` bytes."""
         self._pool.trim(max(0, room))

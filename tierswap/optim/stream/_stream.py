@@ -210,9 +210,11 @@ class ParameterStream:
         swap folder, from which a run resumes)."""
         self._unhook()
         self.drop_ahead()
-        self._free(list(self._live))  # those kept may hold pool buffers: memory of their own
+        for index in self._live - self._meta_born:  # kept ones may hold pool buffers
+            self._memory.keep_own(self._slot(index).param)
         for _, owned in self._modules:
             self._fetch([i for i in owned if i not in self._meta_born], pooled=False)
+        self._memory.trim(0)
         for index in self._streamed():
             unguard(self._slot(index).param)
         for index in self._meta_born:
