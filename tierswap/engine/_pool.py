@@ -19,9 +19,8 @@ class BufferPool:
     thread-safe: callers hold their front end's lock, and :meth:`trim` keeps the idle buffers
     within the room their tier's ledger has left."""
 
-    def __init__(self, device: torch.device | None = None, *, pin: bool | None = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._device = device if device is not None else torch.device("cpu")
-        self._pin = pin  # as allocate's
         self._free: dict[int, list[torch.Tensor]] = {}
         self._idle = 0
 
@@ -36,7 +35,7 @@ class BufferPool:
         if free:
             self._idle -= capacity
             return free.pop()
-        return allocate((capacity,), torch.uint8, self._device, pin=self._pin)
+        return allocate((capacity,), torch.uint8, self._device)
 
     def claim(self, sizes: list[int]) -> list[torch.Tensor | None]:
         """Idle buffers for requests of ``sizes`` bytes, taken off the free list before a

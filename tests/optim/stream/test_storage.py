@@ -1,7 +1,7 @@
-"""A streamed parameter's memory: freed between uses, refilled before each. On the CPU large
-parameters refill from a pool of page-aligned buffers (:class:`ParameterMemory`): the memory
-moves into the parameter's own storage, so that autograd's saved views see it, and back to the
-pool when the parameter is freed; the idle buffers stay within the room the stream gives."""
+"""A streamed parameter's memory: freed between uses, refilled before each. On the CPU a large
+parameter's memory, once freed, stays idle within the room the stream gives
+(:class:`ParameterMemory`), and the next parameter of its size takes it back into its own
+storage, so that autograd's saved views see it."""
 
 from __future__ import annotations
 
@@ -13,110 +13,105 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.optim.models import assert_same_params
-from tierswap.engine import _pool
 from tierswap.optim import SwapOptimizer
-from tierswap.optim.stream._storage import POOLED_FROM, ParameterMemory, free, nbytes
+from tierswap.optim.stream import _storage
+from tierswap.optim.stream._storage import POOLED_FROM, ParameterMemory, nbytes
 
-SIDE = 512  # a SIDE x SIDE fp32 weight is 1 MiB: pooled, and whole pages
+SIDE = 512  # a SIDE x SIDE fp32 weight is 1 MiB: reused, and whole pages
 assert SIDE * SIDE * 4 >= POOLED_FROM
 
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the buffers the pool allocates (not reused ones), in order."""
+    """The bytes of each large parameter given new memory (none idle to reuse), in order."""
     sizes: list[int] = []
-    allocate = _pool.allocate
+    allocate = _storage.allocate
 
-    def counting(shape: tuple[int, ...], *args: object, **kwargs: object) -> torch.Tensor:
-        sizes.append(shape[0])
-        return allocate(shape, *args, **kwargs)  # type: ignore[arg-type]
+    def counting(param: torch.Tensor) -> torch.Tensor:
+        if nbytes(param) >= POOLED_FROM:
+            sizes.append(nbytes(param))
+        return allocate(param)
 
-    monkeypatch.setattr(_pool, "allocate", counting)
+    monkeypatch.setattr(_storage, "allocate", counting)
     return sizes
 
 
-def _freed(shape: tuple[int, ...]) -> torch.nn.Parameter:
-    param = torch.nn.Parameter(torch.zeros(shape))
-    free(param)
-    return param
-
-
-def test_a_refill_reuses_the_buffer_a_free_gave_back(fresh: list[int]) -> None:
+def test_a_refill_takes_back_the_memory_a_free_left_idle(fresh: list[int]) -> None:
     memory = ParameterMemory()
     param = torch.nn.Parameter(torch.zeros(SIDE, SIDE))
     view = param.detach().t()  # as autograd saves one: a view of the same storage
-    free(param)
-    (flat,) = memory.allocate([param], room=0)
-    flat.fill_(3.0)
     first = param.data_ptr()
-    assert first % 4096 == 0
-    assert torch.equal(view, torch.full((SIDE, SIDE), 3.0))
     memory.free(param)
     assert param.untyped_storage().nbytes() == 0  # a use now fails loudly
     assert memory.idle == nbytes(param)
     (flat,) = memory.allocate([param], room=0)
     assert param.data_ptr() == first  # the same pages, mapped already
+    assert memory.idle == 0
     flat.fill_(5.0)
     assert torch.equal(view, torch.full((SIDE, SIDE), 5.0))  # the view sees the refill
-    assert fresh == [nbytes(param)]  # one buffer, allocated once
     memory.free(param)
     memory.trim(0)
     assert memory.idle == 0
+    assert fresh == []
 
 
-def test_idle_buffers_beyond_the_room_are_freed_before_new_memory_is_taken(
+def test_idle_memory_beyond_the_room_is_freed_before_new_memory_is_taken(
     fresh: list[int],
 ) -> None:
     memory = ParameterMemory()
-    big, other = _freed((SIDE, SIDE)), _freed((SIDE, 2 * SIDE))
-    memory.allocate([big], room=0)
+    big = torch.nn.Parameter(torch.zeros(SIDE, SIDE))
+    other = torch.nn.Parameter(torch.zeros(SIDE, 2 * SIDE))
+    memory.free(big)
+    memory.free(other)
+    memory.trim(0)
+    memory.allocate([big], room=0)  # nothing idle: new memory
     memory.free(big)
     assert memory.idle == nbytes(big)
-    memory.allocate([other], room=0)  # no idle buffer of its size: big's goes first
+    memory.allocate([other], room=0)  # no idle memory of its size: big's goes first
     assert memory.idle == 0
     memory.free(other)
-    memory.allocate([big], room=nbytes(other))  # big's size is new again; other's stays idle
+    memory.allocate([big], room=nbytes(other))  # big's is gone; other's stays idle
     assert memory.idle == nbytes(other)
     assert fresh == [nbytes(big), nbytes(other), nbytes(big)]
 
 
 def test_small_parameters_and_closing_take_memory_of_their_own(fresh: list[int]) -> None:
     memory = ParameterMemory()
-    small, big = _freed((8, 8)), _freed((SIDE, SIDE))
+    small, big = torch.nn.Parameter(torch.zeros(8, 8)), torch.nn.Parameter(torch.zeros(SIDE, SIDE))
+    memory.free(small)
+    memory.free(big)
+    assert memory.idle == nbytes(big)  # below POOLED_FROM: back to the allocator
     memory.allocate([small, big], room=0, pooled=False)
+    assert memory.idle == 0  # not taken: new memory, and the idle memory is freed
     for param in (small, big):  # as a model owns its parameters: resizable, exactly its bytes
         storage = param.untyped_storage()
         assert storage.resizable()
         assert storage.nbytes() == nbytes(param)
-        memory.free(param)
-        assert param.untyped_storage().nbytes() == 0
-    memory.allocate([small], room=0)
-    assert small.untyped_storage().nbytes() == nbytes(small)  # below POOLED_FROM
-    assert fresh == []
+    assert fresh == [nbytes(big)]
 
 
-def test_a_failed_allocation_gives_the_claimed_buffers_back(
+def test_a_failed_allocation_gives_the_claimed_memory_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     memory = ParameterMemory()
-    a, b = _freed((SIDE, SIDE)), _freed((SIDE, 2 * SIDE))
-    memory.allocate([a], room=0)
+    a, b = torch.nn.Parameter(torch.zeros(SIDE, SIDE)), torch.nn.Parameter(torch.zeros(SIDE))
     memory.free(a)
+    memory.free(b)
 
-    def no_memory(*_: object, **__: object) -> torch.Tensor:
+    def no_memory(param: torch.Tensor) -> torch.Tensor:
         raise MemoryError("out of memory")
 
-    monkeypatch.setattr(_pool, "allocate", no_memory)
+    monkeypatch.setattr(_storage, "allocate", no_memory)
     with pytest.raises(MemoryError):
-        memory.allocate([a, b], room=1 << 30)  # a's buffer is claimed, b's allocation fails
+        memory.allocate([b, a], room=1 << 30)  # a's memory is claimed, b's allocation fails
     memory.free(a)  # the caller frees those given memory
     memory.free(b)
-    assert memory.idle == nbytes(a)  # a's buffer is back; nothing else is held
+    assert memory.idle == nbytes(a)  # a's memory is back; nothing else is held
     assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes() == 0
 
 
 class Wide(torch.nn.Module):
-    """Linear layers of 1 MiB weights (pooled), one of them checkpointed, and a LayerNorm."""
+    """Linear layers of 1 MiB weights (reused), one of them checkpointed, and a LayerNorm."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,13 +137,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> torc
 
 
 #: A device budget that keeps one 1 MiB weight and the small parameters between uses: the
-#: other weight's use frees the kept one, whose buffer it reuses.
+#: other weight's use frees the kept one, whose memory it takes.
 ONE_KEPT = (1 << 20) + (1 << 16)
 
 
 @pytest.mark.parametrize("device_budget", [0, ONE_KEPT], ids=["none-kept", "one-kept"])
-def test_training_with_pooled_parameters_is_bitwise_torch_adamw(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_budget: int
+def test_training_with_reused_memory_is_bitwise_torch_adamw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh: list[int], device_budget: int
 ) -> None:
     torch.manual_seed(0)
     ref = Wide()
@@ -159,10 +154,8 @@ def test_training_with_pooled_parameters_is_bitwise_torch_adamw(
         device_budget=device_budget, offload_parameters=True,
     )  # fmt: skip
     memory = opt._stream._memory
-    fresh: list[int] = []  # buffers the parameters' pool allocates (none idle to reuse)
-    take = memory._pool.take
-    monkeypatch.setattr(memory._pool, "take", lambda n: fresh.append(n) or take(n))
-    uses: list[int] = []  # refills of the pooled parameters
+    assert memory.idle <= device_budget  # the memory the model was built in, freed
+    uses: list[int] = []  # refills of the large parameters
     allocate = memory.allocate
 
     def counting(params: list[torch.Tensor], **kwargs: object) -> list[torch.Tensor]:
@@ -180,9 +173,9 @@ def test_training_with_pooled_parameters_is_bitwise_torch_adamw(
         assert model.mid.weight.untyped_storage().nbytes() in (0, weight)
         if step:  # mid and deep in forward, again in backward (deep's recomputation and
             assert len(uses) >= (4 if not device_budget else 2)  # backward share a use)
-            if device_budget:  # a use frees the kept weight and takes its buffer
+            if device_budget:  # a use frees the kept weight and takes its memory
                 assert len(fresh) < len(uses)
-            else:  # nothing stays idle: every use maps new memory
+            else:  # nothing stays idle: every use takes new memory
                 assert len(fresh) == len(uses)
     opt.close()
     assert_same_params(ref, model)

@@ -3,33 +3,36 @@
 Freeing resizes the parameter's storage to zero bytes: the tensor keeps its shape, dtype,
 device and identity (``model.parameters()``, the optimizer's param groups and the views that
 autograd saved for backward all still name it), and its data pointer becomes null, so a use
-that nothing refilled fails loudly instead of reading stale memory. Refilling resizes the
-storage back; every view of it sees the new memory. Writing through ``param.data`` does not
+that nothing refilled fails loudly instead of reading stale memory (:class:`ParameterMemory`
+moves the memory out instead, to reuse it). Refilling resizes the storage back, or moves
+memory in; every view of it sees the new memory. Writing through ``param.data`` does not
 move the parameter's version counter, so the views autograd saved stay valid.
 
 A parameter built on the meta device cannot change device in place through ``.data``; it is
 swapped for one on the real device whose storage is empty (``torch.utils.swap_tensors``: the
 same Python object), and back to the meta device when the optimizer closes.
 
-:class:`ParameterMemory` refills the storages of large parameters on the CPU with the
-engine's page-aligned buffers: memory that ``device_budget`` leaves room for is reused between
-uses, and fresh buffers ask for transparent huge pages. torch's allocator maps fresh 4 KiB
-pages for each large allocation, and the first write to each faults. A 105 MB parameter (the
-2-core bench machine) filled at 3.0 GB/s from the allocator, 7.6-13.6 GB/s into a fresh
-buffer, 26 GB/s into a reused one.
+:class:`ParameterMemory` lets the memory of a large parameter on the CPU, once freed, stay idle
+for the next parameter of its size, within the room ``device_budget`` leaves: refilling it
+writes into pages already mapped. torch's allocator maps fresh 4 KiB pages for every large
+allocation, and each faults at its first write. In a streamed GPT-2 (10 x 2560, the 2-core
+bench machine, ``bench/param_refill.py``) refills ran at 3.2-3.7 GB/s with every use taking
+new memory, 4.3-5.1 GB/s with a 1 GiB ``device_budget`` reusing part of it; buffers new to
+each use that asked for transparent huge pages ran at 2.2-2.6 GB/s there, so new memory comes
+from the allocator.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tierswap.config import ALIGN
 from tierswap.engine import BufferPool, transfers_for
 
 __all__ = ["POOLED_FROM", "ParameterMemory", "allocate", "free", "nbytes", "to_meta", "to_placed"]
 
-#: Parameters on the CPU of at least this many bytes get their memory from
-#: :class:`ParameterMemory`'s pool (rounded up to whole pages: 0.4% at most); smaller ones
-#: from the allocator, which reuses small blocks without new pages.
+#: Parameters on the CPU of at least this many bytes (in whole pages) leave their memory idle
+#: for reuse (:class:`ParameterMemory`); the allocator reuses smaller blocks without new pages.
 POOLED_FROM = 1 << 20
 
 #: Whether this torch can move memory into an existing storage (private since torch 2.x;
@@ -67,44 +70,41 @@ class ParameterMemory:
     :class:`~tierswap.optim.stream.ParameterStream`; not thread-safe: the stream's callers
     take turns).
 
-    A large parameter on the CPU (:data:`POOLED_FROM`) gets a page-aligned buffer of an
-    engine :class:`~tierswap.engine.BufferPool`, swapped into its own storage (every view of
-    the storage, autograd's saved ones among them, sees it) and swapped out to the pool when
-    it is freed. Idle buffers stay within the room the caller gives (:meth:`allocate`,
-    :meth:`trim`), and the next parameter of their size reuses their mapped pages; a new one
-    asks for huge pages (:func:`~tierswap.io.aligned_empty`). Other parameters
-    get memory from their device's allocator (on a GPU from the upload stream's pool:
-    :meth:`~tierswap.engine.Transfers.allocating`), and give it back to it."""
+    Memory comes from the parameter's device allocator (on a GPU from the upload stream's
+    pool: :meth:`~tierswap.engine.Transfers.allocating`). When a large parameter on the CPU
+    (:data:`POOLED_FROM`, whole pages) is freed, its memory moves out of its storage into an
+    engine :class:`~tierswap.engine.BufferPool`, which keeps it idle within the room the
+    caller gives (:meth:`allocate`, :meth:`trim`) and frees the rest; a parameter of that
+    size refilled later takes it back into its own storage (every view of the storage,
+    autograd's saved ones among them, sees it). The pool only holds and trims that memory
+    here (whole pages in size, not page-aligned: nothing reads a file into it)."""
 
     def __init__(self) -> None:
-        self._pool = BufferPool(pin=False)
-        self._pooled: set[int] = set()  # id() of the parameters that hold a pool buffer now
+        self._pool = BufferPool()
+        self._pooled: set[int] = set()  # id() of the parameters holding memory of the pool
 
     @property
     def idle(self) -> int:
-        """Bytes of pool buffers no parameter holds."""
+        """Bytes of memory no parameter holds, kept for reuse."""
         return self._pool.idle
 
     def allocate(
         self, params: list[torch.Tensor], *, room: int, pooled: bool = True
     ) -> list[torch.Tensor]:
         """Give each of ``params`` (holding no memory) memory, contents undefined; their flat
-        views to fill. Idle buffers of the sizes they take are taken first, and the others
-        beyond ``room`` bytes freed before any new memory is allocated. Without ``pooled``
-        they get memory of their own (the optimizer closes: the model keeps it)."""
+        views to fill. Idle memory of the sizes they take is taken first, and the rest beyond
+        ``room`` bytes freed before anything new is allocated. Without ``pooled`` they get
+        new memory (the optimizer closes: the model keeps it)."""
         large = [p for p in params if pooled and _poolable(p)]
         buffers = self._pool.claim([nbytes(p) for p in large])
-        claimed = dict(zip(map(id, large), buffers, strict=True))
+        claimed = {id(p): b for p, b in zip(large, buffers, strict=True) if b is not None}
         self._pool.trim(max(0, room))
         flats = []
         try:
             for param in params:
-                if id(param) in claimed:
-                    buffer = claimed.pop(id(param))
-                    if buffer is None:
-                        buffer = self._pool.take(nbytes(param))
-                    memory = buffer.untyped_storage()
-                    param.untyped_storage()._swap_data_ptr_(memory)  # type: ignore[attr-defined]
+                buffer = claimed.pop(id(param), None)
+                if buffer is not None:
+                    _move(buffer.untyped_storage(), param.untyped_storage())
                     self._pooled.add(id(param))
                     flats.append(param.data.view(-1))
                 else:
@@ -115,38 +115,45 @@ class ParameterMemory:
         return flats
 
     def free(self, param: torch.Tensor) -> None:
-        """Take ``param``'s memory back (:func:`free`): a pool buffer to the pool."""
-        if id(param) not in self._pooled:
+        """Take ``param``'s memory back (:func:`free`); a large CPU parameter's goes to the
+        pool, which keeps it until the next :meth:`allocate` or :meth:`trim`."""
+        self._pooled.discard(id(param))
+        storage = param.untyped_storage()
+        whole_pages = storage.nbytes() > 0 and storage.nbytes() % ALIGN == 0
+        if not (_poolable_size(param) and whole_pages and storage.resizable()):
             free(param)
             return
-        self._pooled.discard(id(param))
         holder = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
-        param.untyped_storage()._swap_data_ptr_(holder)  # type: ignore[attr-defined]
+        _move(storage, holder)
         self._pool.give(torch.empty(0, dtype=torch.uint8).set_(holder))
 
     def keep_own(self, param: torch.Tensor) -> None:
-        """Give ``param``, if it holds a pool buffer, memory of its own with the same values
-        (the optimizer closes: the model keeps its parameters as it owned them)."""
+        """Give ``param``, if it holds memory of the pool, memory of its own with the same
+        values (the optimizer closes: the model keeps its parameters as it owned them)."""
         if id(param) not in self._pooled:
             return
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():  # not a user's use
             own = param.detach().clone(memory_format=torch.contiguous_format)
-        param.untyped_storage()._swap_data_ptr_(own.untyped_storage())  # type: ignore[attr-defined]
+        _move(param.untyped_storage(), own.untyped_storage())  # swaps: own holds the pool's
         self._pooled.discard(id(param))
-        self._pool.give(own)  # it holds the buffer now
+        self._pool.give(own)
 
     def trim(self, room: int) -> None:
-        """Free idle buffers, largest first, until they fit in ``room`` bytes."""
+        """Free idle memory, largest first, until it fits in ``room`` bytes."""
         self._pool.trim(max(0, room))
 
 
+def _move(source: torch.UntypedStorage, target: torch.UntypedStorage) -> None:
+    """Swap the memory of two storages (``target`` empty: ``source`` gives its to it)."""
+    target._swap_data_ptr_(source)  # type: ignore[attr-defined]
+
+
+def _poolable_size(param: torch.Tensor) -> bool:
+    return _SWAPS and param.device.type == "cpu" and nbytes(param) >= POOLED_FROM
+
+
 def _poolable(param: torch.Tensor) -> bool:
-    return (
-        _SWAPS
-        and param.device.type == "cpu"
-        and nbytes(param) >= POOLED_FROM
-        and param.untyped_storage().nbytes() == 0
-    )
+    return _poolable_size(param) and param.untyped_storage().nbytes() == 0
 
 
 def to_placed(param: torch.nn.Parameter, device: torch.device) -> None:

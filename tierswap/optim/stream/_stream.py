@@ -162,6 +162,7 @@ class ParameterStream:
             self._memory.free(slot.param)
             if not guard(slot.param, self, slot.index):
                 unguarded.append(slot.name or slot.prefix)
+        self._memory.trim(self._room())
         warn_unguarded(unguarded)
 
     def adopt(self, slots: list[Slot]) -> None:
@@ -473,6 +474,7 @@ class ParameterStream:
         except BaseException:
             for param in params:
                 self._memory.free(param)
+            self._memory.trim(self._room())
             raise
         self._live.update(missing)
         self._versions.update((i, self._slot(i).param._version) for i in missing)
