@@ -90,6 +90,19 @@ def test_small_parameters_and_closing_take_memory_of_their_own(fresh: list[int])
     assert fresh == [nbytes(big)]
 
 
+def test_memory_another_process_or_numpy_shares_is_not_kept() -> None:
+    memory = ParameterMemory()
+    shared = torch.nn.Parameter(torch.zeros(SIDE, SIDE))
+    shared.share_memory_()
+    viewed = torch.nn.Parameter(torch.zeros(SIDE, SIDE))
+    array = viewed.detach().numpy()  # a raw view: its memory must not serve another parameter
+    for param in (shared, viewed):
+        memory.free(param)
+        assert param.untyped_storage().nbytes() == 0
+    assert memory.idle == 0
+    assert array.shape == (SIDE, SIDE)
+
+
 def test_a_failed_allocation_gives_the_claimed_memory_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

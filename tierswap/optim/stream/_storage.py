@@ -120,7 +120,8 @@ class ParameterMemory:
         self._pooled.discard(id(param))
         storage = param.untyped_storage()
         whole_pages = storage.nbytes() > 0 and storage.nbytes() % ALIGN == 0
-        if not (_poolable_size(param) and whole_pages and storage.resizable()):
+        own = storage.resizable() and not storage.is_shared()  # no numpy view, no other process
+        if not (_poolable_size(param) and whole_pages and own):
             free(param)
             return
         holder = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
