@@ -75,19 +75,23 @@ def test_idle_memory_beyond_the_room_is_freed_before_new_memory_is_taken(
     assert fresh == [nbytes(big), nbytes(other), nbytes(big)]
 
 
-def test_small_parameters_and_closing_take_memory_of_their_own(fresh: list[int]) -> None:
+def test_memory_taken_back_is_the_parameters_own_and_only_whole_pages_are_kept(
+    fresh: list[int],
+) -> None:
     memory = ParameterMemory()
-    small, big = torch.nn.Parameter(torch.zeros(8, 8)), torch.nn.Parameter(torch.zeros(SIDE, SIDE))
-    memory.free(small)
-    memory.free(big)
-    assert memory.idle == nbytes(big)  # below POOLED_FROM: back to the allocator
-    memory.allocate([small, big], room=0, pooled=False)
-    assert memory.idle == 0  # not taken: new memory, and the idle memory is freed
-    for param in (small, big):  # as a model owns its parameters: resizable, exactly its bytes
+    small = torch.nn.Parameter(torch.zeros(8, 8))
+    odd = torch.nn.Parameter(torch.zeros(SIDE * SIDE + 1))  # large, not whole pages
+    big = torch.nn.Parameter(torch.zeros(SIDE, SIDE))
+    for param in (small, odd, big):
+        memory.free(param)
+    assert memory.idle == nbytes(big)  # the others: back to the allocator
+    memory.allocate([small, odd, big], room=0)
+    assert memory.idle == 0  # big took its memory back
+    for param in (small, odd, big):  # as a model owns its parameters: resizable, exactly its bytes
         storage = param.untyped_storage()
         assert storage.resizable()
         assert storage.nbytes() == nbytes(param)
-    assert fresh == [nbytes(big)]
+    assert fresh == [nbytes(odd)]
 
 
 def test_memory_another_process_or_numpy_shares_is_not_kept() -> None:

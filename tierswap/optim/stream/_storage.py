@@ -72,30 +72,28 @@ class ParameterMemory:
 
     Memory comes from the parameter's device allocator (on a GPU from the upload stream's
     pool: :meth:`~tierswap.engine.Transfers.allocating`). When a large parameter on the CPU
-    (:data:`POOLED_FROM`, whole pages) is freed, its memory moves out of its storage into an
-    engine :class:`~tierswap.engine.BufferPool`, which keeps it idle within the room the
-    caller gives (:meth:`allocate`, :meth:`trim`) and frees the rest; a parameter of that
-    size refilled later takes it back into its own storage (every view of the storage,
-    autograd's saved ones among them, sees it). The pool only holds and trims that memory
-    here (whole pages in size, not page-aligned: nothing reads a file into it)."""
+    (:data:`POOLED_FROM`, a whole number of pages) is freed, its memory moves out of its
+    storage into an engine :class:`~tierswap.engine.BufferPool`, which keeps it idle within
+    the room the caller gives (:meth:`allocate`, :meth:`trim`) and frees the rest; a
+    parameter of that size refilled later takes it back into its own storage (every view of
+    the storage, autograd's saved ones among them, sees it). That memory is an allocator
+    block of exactly the parameter's bytes, as one allocated for it: the model keeps it when
+    the optimizer closes. The pool only holds and trims it here (not page-aligned: nothing
+    reads a file into it)."""
 
     def __init__(self) -> None:
         self._pool = BufferPool()
-        self._pooled: set[int] = set()  # id() of the parameters holding memory of the pool
 
     @property
     def idle(self) -> int:
         """Bytes of memory no parameter holds, kept for reuse."""
         return self._pool.idle
 
-    def allocate(
-        self, params: list[torch.Tensor], *, room: int, pooled: bool = True
-    ) -> list[torch.Tensor]:
+    def allocate(self, params: list[torch.Tensor], *, room: int) -> list[torch.Tensor]:
         """Give each of ``params`` (holding no memory) memory, contents undefined; their flat
         views to fill. Idle memory of the sizes they take is taken first, and the rest beyond
-        ``room`` bytes freed before anything new is allocated. Without ``pooled`` they get
-        new memory (the optimizer closes: the model keeps it)."""
-        large = [p for p in params if pooled and _poolable(p)]
+        ``room`` bytes freed before anything new is allocated."""
+        large = [p for p in params if _reusable(p) and p.untyped_storage().nbytes() == 0]
         buffers = self._pool.claim([nbytes(p) for p in large])
         claimed = {id(p): b for p, b in zip(large, buffers, strict=True) if b is not None}
         self._pool.trim(max(0, room))
@@ -105,7 +103,6 @@ class ParameterMemory:
                 buffer = claimed.pop(id(param), None)
                 if buffer is not None:
                     _move(buffer.untyped_storage(), param.untyped_storage())
-                    self._pooled.add(id(param))
                     flats.append(param.data.view(-1))
                 else:
                     with transfers_for(param.device).allocating():
@@ -117,27 +114,14 @@ class ParameterMemory:
     def free(self, param: torch.Tensor) -> None:
         """Take ``param``'s memory back (:func:`free`); a large CPU parameter's goes to the
         pool, which keeps it until the next :meth:`allocate` or :meth:`trim`."""
-        self._pooled.discard(id(param))
         storage = param.untyped_storage()
-        whole_pages = storage.nbytes() > 0 and storage.nbytes() % ALIGN == 0
         own = storage.resizable() and not storage.is_shared()  # no numpy view, no other process
-        if not (_poolable_size(param) and whole_pages and own):
+        if not (_reusable(param) and storage.nbytes() == nbytes(param) and own):
             free(param)
             return
         holder = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]
         _move(storage, holder)
         self._pool.give(torch.empty(0, dtype=torch.uint8).set_(holder))
-
-    def keep_own(self, param: torch.Tensor) -> None:
-        """Give ``param``, if it holds memory of the pool, memory of its own with the same
-        values (the optimizer closes: the model keeps its parameters as it owned them)."""
-        if id(param) not in self._pooled:
-            return
-        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():  # not a user's use
-            own = param.detach().clone(memory_format=torch.contiguous_format)
-        _move(param.untyped_storage(), own.untyped_storage())  # swaps: own holds the pool's
-        self._pooled.discard(id(param))
-        self._pool.give(own)
 
     def trim(self, room: int) -> None:
         """Free idle memory, largest first, until it fits in ``room`` bytes."""
@@ -149,12 +133,11 @@ def _move(source: torch.UntypedStorage, target: torch.UntypedStorage) -> None:
     target._swap_data_ptr_(source)  # type: ignore[attr-defined]
 
 
-def _poolable_size(param: torch.Tensor) -> bool:
-    return _SWAPS and param.device.type == "cpu" and nbytes(param) >= POOLED_FROM
-
-
-def _poolable(param: torch.Tensor) -> bool:
-    return _poolable_size(param) and param.untyped_storage().nbytes() == 0
+def _reusable(param: torch.Tensor) -> bool:
+    """Whether ``param``'s memory may serve another parameter of its size: on the CPU, at least
+    :data:`POOLED_FROM` bytes, whole pages (the pool's sizes)."""
+    size = nbytes(param)
+    return _SWAPS and param.device.type == "cpu" and size >= POOLED_FROM and size % ALIGN == 0
 
 
 def to_placed(param: torch.nn.Parameter, device: torch.device) -> None:

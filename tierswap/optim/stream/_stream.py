@@ -211,10 +211,8 @@ class ParameterStream:
         swap folder, from which a run resumes)."""
         self._unhook()
         self.drop_ahead()
-        for index in self._live - self._meta_born:  # kept ones may hold pool buffers
-            self._memory.keep_own(self._slot(index).param)
         for _, owned in self._modules:
-            self._fetch([i for i in owned if i not in self._meta_born], pooled=False)
+            self._fetch([i for i in owned if i not in self._meta_born])
         self._memory.trim(0)
         for index in self._streamed():
             unguard(self._slot(index).param)
@@ -449,14 +447,12 @@ class ParameterStream:
         leaves beside the parameters holding values."""
         return self._budget - self.live_bytes
 
-    def _fetch(
-        self, indices: list[int], *, later: list[ToDevice] | None = None, pooled: bool = True
-    ) -> None:
+    def _fetch(self, indices: list[int], *, later: list[ToDevice] | None = None) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
         kept between uses have them; those uploaded ahead are made ready), first freeing kept
         ones, those used latest first, as far as ``device_budget`` needs: it holds the
         parameters in use and the kept ones. ``later``: the copies of an upload ahead
-        (:meth:`_upload_ahead`), not waited for; ``pooled``: as :meth:`ParameterMemory.allocate`."""
+        (:meth:`_upload_ahead`), not waited for."""
         self._ready_uploads(indices)
         self._kept.difference_update(indices)
         missing = [i for i in indices if i not in self._live]
@@ -469,7 +465,7 @@ class ParameterStream:
             self._free([latest])
         params = [self._slot(i).param for i in missing]
         try:
-            flats = self._memory.allocate(params, room=self._room() - need, pooled=pooled)
+            flats = self._memory.allocate(params, room=self._room() - need)
             self._read_into(dict(zip(missing, flats, strict=True)), later=later)
         except BaseException:
             for param in params:
