@@ -12,8 +12,9 @@ process of its own, interleaved per round:
   allocator  every refill takes new memory from torch's allocator (``POOLED_FROM`` raised past
              every parameter: the stream before 2026-12-06)
   reused     the default: a large parameter's memory, once freed, stays idle within what
-             ``device_budget`` leaves beside the parameters holding values, for the next
-             parameter of its size
+             ``device_budget`` leaves beside the parameters holding values and a share of
+             ``host_budget`` (at most a quarter) set aside for it, for the next parameter of
+             its size
 
 Each iteration prints forward + backward seconds, and the seconds, bytes and GB/s of the
 refills' copies (``PassThrough.to_device``, timed around each call; the page faults of new

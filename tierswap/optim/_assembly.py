@@ -43,6 +43,7 @@ from tierswap.optim.stream import (
     ParameterStream,
     Placed,
     check_owned,
+    idle_room,
     initialize,
     place_model,
     to_meta,
@@ -119,6 +120,9 @@ class Assembly(Checkpoints):
         #: Device bytes for optimizer state (the rest of ``device_budget`` holds the streamed
         #: parameters): set once, so that parameters and state never outgrow the budget.
         self._state_device = _state_device_bytes(config, self.param_groups)
+        #: Host bytes that hold the memory streamed parameters leave idle between uses (on
+        #: the CPU): the layout plans the rest of ``host_budget``.
+        self._idle_room = _idle_room_bytes(config, self.param_groups, self._state_device)
         self.tier = DEVICE if self._state_device > 0 else HOST
         self.compute_device = _compute_device(self.tier)
         # Host <-> device copies of the slices (nothing moves on the CPU); tests put a
@@ -130,7 +134,8 @@ class Assembly(Checkpoints):
         check_unique([slot.prefix for slot in slots])
         if model is not None and config.offload_parameters:
             check_owned(model, slots)
-        layout = self._plan(slots, config.host_bytes)
+        host = config.host_bytes
+        layout = self._plan(slots, None if host is None else host - self._idle_room)
         if config.resume_from is not None and config.swap_dir is not None:
             persist.seed_swap_dir(config.swap_dir, config.resume_from)
         self._parts = OptimizerParts(
@@ -156,7 +161,9 @@ class Assembly(Checkpoints):
         slot_of = self._layout.slot_of
         meta_born = [slot_of[id(param)].index for param in self._unborn.params]
         budget = self._config.device_bytes - self._state_device
-        self._stream = ParameterStream(self._parts, model, meta_born, budget=budget)
+        self._stream = ParameterStream(
+            self._parts, model, meta_born, budget=budget, idle_room=self._idle_room
+        )
         self._stream.start()
         # streamed parameters and gradients must leave memory when freed; released by
         # close(), or when the optimizer is garbage-collected without it
@@ -294,6 +301,19 @@ def _state_device_bytes(config: SwapConfig, groups: list[dict[str, Any]]) -> int
     params: dict[int, torch.Tensor] = {id(p): p for group in groups for p in group["params"]}
     values = sum(p.numel() * p.element_size() for p in params.values())
     return max(config.device_bytes - values, 0)
+
+
+def _idle_room_bytes(config: SwapConfig, groups: list[dict[str, Any]], state_device: int) -> int:
+    """The bytes of ``host_budget`` that hold streamed parameters' memory idle between uses
+    (:func:`~tierswap.optim.stream.idle_room`): with ``offload_parameters`` on a machine
+    without a GPU (a GPU's caching allocator reuses device memory already) and a host budget;
+    ``device_budget`` keeps what the state leaves of it."""
+    host = config.host_bytes
+    if not config.offload_parameters or host is None or not _device_tier_in_ram():
+        return 0
+    params: dict[int, torch.Tensor] = {id(p): p for group in groups for p in group["params"]}
+    sizes = [p.numel() * p.element_size() for p in params.values()]
+    return idle_room(sizes, host_budget=host, kept=config.device_bytes - state_device)
 
 
 def _device_tier_in_ram() -> bool:

@@ -377,7 +377,9 @@ class SwapOptimizer(Assembly):
 
     @property
     def host_budget(self) -> int:
-        """Bytes of the host tier: resident slices and slices in flight."""
+        """Bytes of the host tier: resident slices and slices in flight (with
+        ``offload_parameters`` on the CPU, what ``host_budget`` leaves beside the share that
+        holds the memory freed parameters leave idle)."""
         return self._layout.host_budget
 
     @property

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from tests.optim.models import assert_same_params
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.stream import _storage
-from tierswap.optim.stream._storage import POOLED_FROM, ParameterMemory, nbytes
+from tierswap.optim.stream._storage import POOLED_FROM, ParameterMemory, idle_room, nbytes
 
 SIDE = 512  # a SIDE x SIDE fp32 weight is 1 MiB: reused, and whole pages
 assert SIDE * SIDE * 4 >= POOLED_FROM
@@ -171,6 +171,7 @@ def test_training_with_reused_memory_is_bitwise_torch_adamw(
         device_budget=device_budget, offload_parameters=True,
     )  # fmt: skip
     memory = opt._stream._memory
+    assert opt.tier_stats()["parameters"]["idle_room"] == 0  # a quarter of 1 MiB holds no weight
     assert memory.idle <= device_budget  # the memory the model was built in, freed
     uses: list[int] = []  # refills of the large parameters
     allocate = memory.allocate
@@ -204,3 +205,46 @@ def test_training_with_reused_memory_is_bitwise_torch_adamw(
     )  # fmt: skip
     _step(model, again, 0)
     again.close()
+
+
+def test_the_idle_room_is_a_quarter_of_the_host_budget_at_most_where_parameters_refill() -> None:
+    mib = 1 << 20
+    sizes = [4 * mib, 4 * mib, 2 * mib, 4096]  # the last is too small to be reused
+    assert idle_room(sizes, host_budget=64 * mib, kept=0) == 10 * mib  # all of them fit
+    assert idle_room(sizes, host_budget=16 * mib, kept=0) == 4 * mib  # a quarter
+    assert idle_room(sizes, host_budget=64 * mib, kept=6 * mib) == 4 * mib  # the rest refills
+    assert idle_room(sizes, host_budget=64 * mib, kept=10 * mib) == 0  # the budget keeps all
+    assert idle_room(sizes, host_budget=4 * mib, kept=0) == 0  # 1 MiB holds none of them
+    assert idle_room([mib + 1], host_budget=64 * mib, kept=0) == 0  # not whole pages
+
+
+def test_a_share_of_the_host_budget_keeps_freed_memory_for_the_next_uses(
+    tmp_path: Path, fresh: list[int]
+) -> None:
+    """Without ``device_budget`` the weights' memory stays idle in a share of ``host_budget``
+    (the layout plans the rest): after the memory the model was built in, no use takes new
+    memory, and training stays bitwise torch's."""
+    torch.manual_seed(0)
+    ref = Wide()
+    model = copy.deepcopy(ref)
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    host = 16 << 20
+    opt = SwapOptimizer(
+        model, torch.optim.AdamW, lr=1e-2, swap_dir=tmp_path, host_budget=host,
+        offload_parameters=True,
+    )  # fmt: skip
+    weights = nbytes(model.mid.weight) + nbytes(model.deep.weight)
+    assert opt.tier_stats()["parameters"]["idle_room"] == weights  # under a quarter: both
+    assert opt.host_budget == host - weights  # what the layout and the pipeline hold
+    for step in range(4):
+        fresh.clear()
+        assert torch.equal(_step(ref, plain, step), _step(model, opt, step))
+        stats = opt.tier_stats()["parameters"]
+        assert 0 < stats["idle_bytes"] <= weights
+        assert stats["live_bytes"] == 0
+        assert fresh == []  # every use took memory a free left idle
+    assert opt.tier_stats()["host"]["used"] <= opt.host_budget
+    opt.close()
+    assert_same_params(ref, model)
+    for param in model.parameters():
+        assert param.untyped_storage().nbytes() == nbytes(param)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from tierswap.optim.stream._hooks import check_owned
 from tierswap.optim.stream._meta import Placed, has_meta, initialize, place, place_model
 from tierswap.optim.stream._placeholder import OffloadedGradient
-from tierswap.optim.stream._storage import to_meta
+from tierswap.optim.stream._storage import idle_room, to_meta
 from tierswap.optim.stream._stream import ParameterStream
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "Placed",
     "check_owned",
     "has_meta",
+    "idle_room",
     "initialize",
     "place",
     "place_model",

@@ -13,8 +13,9 @@ swapped for one on the real device whose storage is empty (``torch.utils.swap_te
 same Python object), and back to the meta device when the optimizer closes.
 
 :class:`ParameterMemory` lets the memory of a large parameter on the CPU, once freed, stay idle
-for the next parameter of its size, within the room ``device_budget`` leaves: refilling it
-writes into pages already mapped. torch's allocator maps fresh 4 KiB pages for every large
+for the next parameter of its size, within the room ``device_budget`` leaves and a share of
+``host_budget`` set aside for it (:func:`idle_room`): refilling it writes into pages already
+mapped. torch's allocator maps fresh 4 KiB pages for every large
 allocation, and each faults at its first write. In a streamed GPT-2 (10 x 2560, the 2-core
 bench machine, ``bench/param_refill.py``) refills ran at 3.2-3.7 GB/s with every use taking
 new memory, 4.3-5.1 GB/s with a 1 GiB ``device_budget`` reusing part of it; buffers new to
@@ -29,7 +30,16 @@ import torch
 from tierswap.config import ALIGN
 from tierswap.engine import BufferPool, transfers_for
 
-__all__ = ["POOLED_FROM", "ParameterMemory", "allocate", "free", "nbytes", "to_meta", "to_placed"]
+__all__ = [
+    "POOLED_FROM",
+    "ParameterMemory",
+    "allocate",
+    "free",
+    "idle_room",
+    "nbytes",
+    "to_meta",
+    "to_placed",
+]
 
 #: Parameters on the CPU of at least this many bytes (in whole pages) leave their memory idle
 #: for reuse (:class:`ParameterMemory`); the allocator reuses smaller blocks without new pages.
@@ -136,8 +146,27 @@ def _move(source: torch.UntypedStorage, target: torch.UntypedStorage) -> None:
 def _reusable(param: torch.Tensor) -> bool:
     """Whether ``param``'s memory may serve another parameter of its size: on the CPU, at least
     :data:`POOLED_FROM` bytes, whole pages (the pool's sizes)."""
-    size = nbytes(param)
-    return _SWAPS and param.device.type == "cpu" and size >= POOLED_FROM and size % ALIGN == 0
+    return param.device.type == "cpu" and _pooled(nbytes(param))
+
+
+def _pooled(size: int) -> bool:
+    return _SWAPS and size >= POOLED_FROM and size % ALIGN == 0
+
+
+def idle_room(sizes: list[int], *, host_budget: int, kept: int) -> int:
+    """Bytes of ``host_budget`` set aside for the memory that streamed CPU parameters of
+    ``sizes`` bytes leave idle between uses (:class:`ParameterMemory`), where ``kept`` bytes of
+    ``device_budget`` do not keep them all: a quarter of the budget at most, none when that
+    would not hold the smallest one that is reused.
+
+    A refill into memory already mapped saves the page faults of new memory (about 0.24 s per
+    GB refilled on the bench machine: ``bench/param_refill.py``); what the budget would hold
+    of optimizer state instead saves the disk two bytes per byte and step."""
+    pooled = [size for size in sizes if _pooled(size)]
+    if not pooled:
+        return 0
+    room = min(host_budget // 4, sum(pooled) - kept)
+    return room if room >= min(pooled) else 0
 
 
 def to_placed(param: torch.nn.Parameter, device: torch.device) -> None:

@@ -105,7 +105,9 @@ class ParameterStream:
     every parameter back. Called from the training thread (forward, ``step()``) and from the
     thread autograd runs backward on, one at a time. ``budget``: the bytes of
     ``device_budget`` for parameters (all of it on a GPU; without one, what the optimizer's
-    state does not take of it).
+    state does not take of it); ``idle_room``: the bytes of ``host_budget`` where memory freed
+    parameters leave may stay idle for the next ones, beside what ``budget`` leaves (on the
+    CPU: :func:`~tierswap.optim.stream._storage.idle_room`).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class ParameterStream:
         meta_born: Iterable[int] = (),
         *,
         budget: int,
+        idle_room: int = 0,
     ) -> None:
         self.parts = parts
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
@@ -140,6 +143,8 @@ class ParameterStream:
         self._handles: list[Any] = []
         #: The bytes of ``device_budget`` for parameters in use and kept between uses.
         self._budget = budget
+        #: Host bytes for the memory freed parameters leave idle, beside what the budget leaves.
+        self._idle_room = idle_room
         self._kept: set[int] = set()  # slots whose parameter keeps its values between uses
         #: The gradients backward finalized, kept in the swap space until the step.
         self.gradients = KeptGradients(parts, functools.partial(self._read_into, grad=True))
@@ -406,6 +411,8 @@ class ParameterStream:
         return {
             "streamed": len(self._streamed()),
             "budget": self._budget,
+            "idle_room": self._idle_room,
+            "idle_bytes": self._memory.idle,
             "kept_bytes": sum(self._bytes(i) for i in self._kept),
             "fetched_bytes": self.fetched_bytes,
             "copied_bytes": self.copied_bytes,
@@ -442,10 +449,11 @@ class ParameterStream:
         self.copied_bytes += copied
         self.fetched_bytes += fetched
 
-    def _room(self) -> int:
+    def _room(self, coming: int = 0) -> int:
         """Bytes that parameters' memory idle between uses may take: what ``device_budget``
-        leaves beside the parameters holding values."""
-        return self._budget - self.live_bytes
+        leaves beside the parameters holding values (and ``coming`` bytes more about to), and
+        the host budget's share for it (``idle_room``)."""
+        return max(self._budget - self.live_bytes - coming, 0) + self._idle_room
 
     def _fetch(self, indices: list[int], *, later: list[ToDevice] | None = None) -> None:
         """Give the parameters of slots ``indices`` that hold no values their values (those
@@ -465,7 +473,7 @@ class ParameterStream:
             self._free([latest])
         params = [self._slot(i).param for i in missing]
         try:
-            flats = self._memory.allocate(params, room=self._room() - need)
+            flats = self._memory.allocate(params, room=self._room(need))
             self._read_into(dict(zip(missing, flats, strict=True)), later=later)
         except BaseException:
             for param in params:
