@@ -9,6 +9,9 @@ state) is built on the meta device and given to ``SwapOptimizer(model, torch.opt
 offload_parameters=True, param_init_fn=model._init_weights)``: its parameters get their first
 values in the swap folder one module at a time and never sit in memory together. Each
 iteration is forward, backward, ``clip_grad_norm_(model.parameters(), 1.0)``, ``step()``.
+``--overlap forward`` (``overlap="forward"``) lets each step run on into the next forward:
+an iteration's row then ends when its ``step()`` returns, and the next one's forward counts
+the slices stepped during it (the last iteration waits for its step).
 
 Three processes, one after the other, between two fio runs:
   fio      sequential O_DIRECT bandwidth of the folder before and after the others, for the
@@ -174,7 +177,7 @@ def run_stream(args: argparse.Namespace) -> dict[str, Any]:
         model, torch.optim.AdamW, lr=args.lr, weight_decay=0.0, swap_dir=args.swap_dir,
         host_budget=args.host_budget, device_budget=args.device_budget,
         offload_parameters=True, param_init_fn=model._init_weights, durable=not args.scratch,
-        master="remainder" if args.bf16 else "fp32",
+        master="remainder" if args.bf16 else "fp32", overlap=args.overlap,
     )  # fmt: skip
     init_s = time.perf_counter() - start
     _progress(f"built and initialized {numel / 1e9:.2f}B parameters in {init_s:.0f} s")
@@ -190,7 +193,10 @@ def run_stream(args: argparse.Namespace) -> dict[str, Any]:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-        opt.synchronize()  # this iteration's writes count in this iteration
+        if args.overlap != "forward" or index + 1 == args.steps:
+            opt.synchronize()  # this iteration's writes count in this iteration
+        # (--overlap forward: the step runs on into the next iteration's forward, which
+        # counts it; the bytes too, read at the iteration's start)
         t3, after = time.perf_counter(), opt.tier_stats()["nvme"]
         row = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "seconds": t3 - t0,
                "loss": loss.item(), "grad_norm": norm.item(),
@@ -220,6 +226,7 @@ def _spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
                  "--lr", str(args.lr), "--device-budget", str(args.device_budget),
                  "--probe-layers", ",".join(map(str, args.probe_layers))]  # fmt: skip
     forwarded += ["--scratch"] * args.scratch + ["--bf16"] * args.bf16
+    forwarded += ["--overlap", args.overlap]
     return spawn(__file__, role, folder, forwarded, show_stderr=True)  # progress on stderr
 
 
@@ -324,6 +331,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--scratch", action="store_true", help="durable=False: write in place")
+    parser.add_argument(
+        "--overlap", choices=["auto", "forward"], default="auto",
+        help="the optimizer's schedule; forward: the step runs on into the next forward",
+    )  # fmt: skip
     parser.add_argument(
         "--bf16", action="store_true",
         help="bf16 parameters under master='remainder' (they stream at 2 bytes an element)",

@@ -161,9 +161,11 @@ class Assembly(Checkpoints):
         slot_of = self._layout.slot_of
         meta_born = [slot_of[id(param)].index for param in self._unborn.params]
         budget = self._config.device_bytes - self._state_device
+        into_forward = self._deferred if self._config.overlap == "forward" else None
         self._stream = ParameterStream(
-            self._parts, model, meta_born, budget=budget, idle_room=self._idle_room
-        )
+            self._parts, model, meta_born, budget=budget, idle_room=self._idle_room,
+            step=into_forward,
+        )  # fmt: skip
         self._stream.start()
         # streamed parameters and gradients must leave memory when freed; released by
         # close(), or when the optimizer is garbage-collected without it

@@ -107,13 +107,6 @@ class SwapConfig:
                     "param_init_fn initializes a model built on the meta device, whose "
                     "parameters stream: it needs offload_parameters=True"
                 )
-            return
-        if self.overlap not in ("auto", "backward", None):
-            raise ConfigError(
-                f"overlap={self.overlap!r} is not supported with offload_parameters=True (its "
-                "step would run beside the next forward's reads); use overlap='auto' (the "
-                "default), 'backward' or None"
-            )
 
     @classmethod
     def from_keywords(cls, **settings: Any) -> SwapConfig:

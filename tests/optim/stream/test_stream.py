@@ -10,6 +10,7 @@ import copy
 import itertools
 import os
 import random
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -119,7 +120,7 @@ def _same_state_dicts(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(value, sb[key]), key
 
 
-@pytest.mark.parametrize("overlap", ["auto", None])
+@pytest.mark.parametrize("overlap", ["auto", None, "forward"])
 @pytest.mark.parametrize("host_budget", [20480, None], ids=["streamed", "resident"])
 @pytest.mark.parametrize("clip", [0.05, 1000.0], ids=["clip-always", "clip-never"])
 def test_training_is_bitwise_torch_adamw(
@@ -143,7 +144,7 @@ def test_training_is_bitwise_torch_adamw(
     assert stats["streamed"] == len(list(model.parameters()))
     assert stats["live_bytes"] == 0
     schedule = opt.tier_stats()["schedule"]
-    if overlap == "auto":  # slices step in backward from step 2 (resident ones: where the
+    if overlap is not None:  # slices step in backward from step 2 (resident ones: where the
         assert schedule["speculated"] > 0  # step before committed, or they were not yet)
         assert (schedule["redone"] > 0) == (clip < 1.0)  # clipping changed their gradients
     else:  # no speculation to report
@@ -244,11 +245,12 @@ def test_gpt2_with_tied_weights_matches_the_optimizer_that_does_not_stream(
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("overlap", ["auto", "forward"])
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-with-fp32-masters"]
 )
 def test_gpt2_with_streamed_parameters_ends_equal_to_the_training_in_memory(
-    tmp_path: Path, dtype: torch.dtype
+    tmp_path: Path, dtype: torch.dtype, overlap: str
 ) -> None:
     """GPT-2 (tied weights), clipping every step, 5 steps: fp32 against torch's AdamW in
     memory; bf16 parameters with fp32 masters against a SwapOptimizer holding everything in
@@ -261,7 +263,7 @@ def test_gpt2_with_streamed_parameters_ends_equal_to_the_training_in_memory(
         plain = SwapOptimizer(ref, torch.optim.AdamW, swap_dir=tmp_path / "a", host_budget=None)
     opt = SwapOptimizer(
         model, torch.optim.AdamW, swap_dir=tmp_path / "b", host_budget=40960,
-        offload_parameters=True,
+        offload_parameters=True, overlap=overlap,
     )  # fmt: skip
     train_gpt2_lockstep([(ref, plain), (model, opt)], 5)
     _same_state_dicts(ref, model)
@@ -453,8 +455,6 @@ def test_what_it_does_not_support_is_refused_clearly(tmp_path: Path) -> None:
         SwapOptimizer(model.parameters(), torch.optim.AdamW, offload_parameters=True)
     with pytest.raises(ConfigError, match="needs the model"):
         offload(torch.optim.AdamW(model.parameters()), offload_parameters=True)
-    with pytest.raises(ConfigError, match="overlap='forward'"):
-        SwapOptimizer(model, torch.optim.AdamW, overlap="forward", offload_parameters=True)
     with pytest.raises(ConfigError, match="must be a bool"):
         SwapOptimizer(model, torch.optim.AdamW, offload_parameters="yes")  # type: ignore[arg-type]
     flat = torch.nn.Parameter(torch.zeros(10))
@@ -696,7 +696,7 @@ def test_random_training_schedules_match_torch(tmp_path: Path, seed: int) -> Non
     budget = rng.choice([20480, 65536, 256 << 10, None])
     opt = SwapOptimizer(
         model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=budget,
-        policy=rng.choice(["lookahead", "lru"]), overlap=rng.choice(["auto", None]),
+        policy=rng.choice(["lookahead", "lru"]), overlap=rng.choice(["auto", None, "forward"]),
         device_budget=rng.choice([0, 0, 30_000, 1 << 20]),
         commit_every=rng.choice([0, 1, 3]), offload_parameters=True, **KWARGS,
     )  # fmt: skip
@@ -1296,3 +1296,80 @@ def test_grad_scaler_unscales_clips_and_skips_steps_as_torch(
         _same_state_dicts(ref, model)
     assert opt.steps == 5  # the overflowed step was skipped
     opt.close()
+
+
+def test_the_step_runs_into_the_next_forward_which_the_worker_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``overlap="forward"``: ``step()`` returns before the slices step; the next forward's
+    modules wait each for their own parameters, whose reads the step's worker runs between its
+    slices (the pipeline has one user at a time). Clipping triggers in some steps (redone
+    slices); a model state dict taken right after ``step()`` holds the stepped values; every
+    step bitwise torch's."""
+    ref, model, plain, opt = _streaming(tmp_path, overlap="forward", commit_every=2)
+    deferred = opt._deferred
+    served: list[bool] = []  # for each hook call: whether it ran on the worker
+    serve = deferred.serve
+
+    def recording(call: Callable[[], Any]) -> Any:
+        def wrapped() -> Any:
+            served.append(threading.get_ident() == deferred._worker)
+            return call()
+
+        return serve(wrapped)
+
+    monkeypatch.setattr(deferred, "serve", recording)
+    pending_after_step = []
+    for step in range(6):
+        clip = 0.05 if step % 2 else 1000.0
+        for m, o in ((ref, plain), (model, opt)):
+            m(batch_for_step(step)).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            o.step()
+            if o is opt:
+                pending_after_step.append(any(deferred.pending(p) for p in model.parameters()))
+            o.zero_grad()
+        if step == 3:
+            _same_state_dicts(ref, model)  # waits for the parameters it reads
+        x = batch_for_step(100 + step)
+        with torch.no_grad():
+            assert torch.equal(ref(x), model(x))  # the forward the step runs into
+    assert any(pending_after_step[1:])  # step() returned with slices still to step
+    assert any(served)  # hooks served by the worker
+    assert not all(served)  # and on their own thread once no step runs
+    opt.synchronize()
+    assert not deferred.busy
+    assert _held(model) == 0
+    schedule = opt.tier_stats()["schedule"]
+    assert schedule["redone"] > 0
+    assert schedule["speculated"] > 0
+    opt.close()
+    assert_same_params(ref, model)
+
+
+def test_a_failed_read_in_a_step_into_the_forward_is_raised_and_leaves_nothing_held(
+    tmp_path: Path,
+) -> None:
+    """A read that fails while the step runs into the forward fails that step: the forward
+    that waits for it raises (nothing deadlocks, no parameter keeps memory), the step is not
+    counted, and the optimizer refuses to commit it; ``close()`` still returns the model."""
+    _, model, _, opt = _streaming(tmp_path, overlap="forward")
+    for step in range(2):
+        _train(model, opt, step, 1.0)
+    model(batch_for_step(2)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # every slice steps again
+    store = opt._backend.store
+    inject(store, fail={"read_file": set(range(1, 1000))})
+    opt.step()  # returns: the slices step on the worker
+    assert opt._deferred.busy
+    x = batch_for_step(3)
+    with pytest.raises(OSError, match="Input/output error"):
+        model(x)
+    remove(store)
+    assert not opt._deferred.busy
+    opt.synchronize()  # raised once, by the forward
+    assert opt.steps == 2  # the failed step is not counted
+    assert _held(model) == 0
+    with pytest.warns(RuntimeWarning, match="not committed"):
+        opt.close()
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())

@@ -17,6 +17,12 @@ Concurrency: :class:`DeferredSteps` runs one step at a time on its own thread; `
 ``done`` from the worker, and ``wait_for`` from any thread running a forward pass. One
 condition variable guards the pending counts and the queue; a failed step is raised once, by
 the next ``wait`` (or ``wait_for``).
+
+With streamed parameters the step that runs into the forward *serves* it: the pipeline is used
+by one thread at a time, and the forward's hooks read their modules' parameters through it.
+While such a step runs, :meth:`DeferredSteps.serve` hands the hook's work to the worker, which
+runs it between two slices (:meth:`DeferredSteps.between`), and the calling thread waits for
+it; once the step has ended (its last calls served) the hooks run on their own thread again.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["DeferredSteps", "frozen_group", "own_parameters"]
+
+T = TypeVar("T")
 
 
 def frozen_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +64,16 @@ def _yield_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, me, min(19, nice + NICENESS))
 
 
+def _settle(future: Future[T], call: Callable[[], T]) -> None:
+    """Run ``call`` and put its result, or its failure, in ``future``."""
+    try:
+        result = call()
+    except BaseException as error:  # the caller's to raise
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 def own_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters a module's forward reads before its submodules' hooks run: its own, or
     for a ``torch.compile`` wrapper (whose submodules' hooks do not run eagerly) all of those
@@ -78,6 +96,10 @@ class DeferredSteps:
         )
         self._hook: Any = None
         self._guarded: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        #: A step that serves calls runs on the worker (:meth:`serve`), and the calls waiting.
+        self._serving = False
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._worker: int | None = None  # the worker's thread ident, once it ran
 
     @property
     def busy(self) -> bool:
@@ -99,16 +121,22 @@ class DeferredSteps:
         with self._cv:
             self._queued = [future for future in self._queued if not future.cancel()]
 
-    def start(self, counts: Mapping[int, int], run: Callable[[], None]) -> None:
+    def start(
+        self, counts: Mapping[int, int], run: Callable[[], None], *, serves: bool = False
+    ) -> None:
         """Run ``run`` on the worker; ``counts`` says how many slices hold each parameter
-        (by ``id``) that the step updates. Waits for the previous step first."""
+        (by ``id``) that the step updates. Waits for the previous step first. ``serves``:
+        ``run`` calls :meth:`between` between its slices, and :meth:`serve` hands it the
+        calls of other threads until it ends."""
         self.wait()
         with self._cv:
             self._pending = dict(counts)
             self._failed = False
+            self._serving = serves
         self._future = self._pool.submit(self._run, run)
 
     def _run(self, run: Callable[[], None]) -> None:
+        self._worker = threading.get_ident()
         try:
             run()
         except BaseException:
@@ -119,6 +147,47 @@ class DeferredSteps:
             with self._cv:
                 self._pending.clear()
                 self._cv.notify_all()
+            self._serve_last()
+
+    def serve(self, call: Callable[[], T]) -> T:
+        """``call()`` where the pipeline is used now: on the worker between two slices, while
+        a step that serves calls runs there (this thread waits for it, and gets its result or
+        failure), else here."""
+        if threading.get_ident() != self._worker:
+            with self._cv:
+                if self._serving:
+                    future: Future[T] = Future()
+                    self._calls.append((call, future))
+                    self._cv.notify_all()
+                else:
+                    future = None  # type: ignore[assignment]
+            if future is not None:
+                return future.result()
+        return call()
+
+    def between(self) -> None:
+        """On the worker, between two slices of a step that serves calls: run the calls
+        waiting, in order."""
+        with self._cv:
+            calls, self._calls = self._calls, []
+        for call, future in calls:
+            _settle(future, call)
+
+    def _serve_last(self) -> None:
+        """The step ended: serve the calls that came meanwhile, then none more (they run on
+        their own threads from now on)."""
+        while True:
+            with self._cv:
+                calls, self._calls = self._calls, []
+                if not calls:
+                    self._serving = False
+                    return
+            for call, future in calls:
+                _settle(future, call)
+
+    def pending(self, param: torch.Tensor) -> bool:
+        """Whether the step under way has still to update (part of) ``param``."""
+        return id(param) in self._pending
 
     def done(self, params: Iterable[torch.Tensor]) -> None:
         """The worker finished a slice that updated (parts of) ``params``."""
@@ -132,8 +201,9 @@ class DeferredSteps:
             self._cv.notify_all()
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
-        """Block until every one of ``params`` is updated (a module about to run forward)."""
-        if not self._pending:  # the common case: nothing pending, no lock taken
+        """Block until every one of ``params`` is updated (a module about to run forward; on
+        the worker, which updates them, nothing waits)."""
+        if not self._pending or threading.get_ident() == self._worker:  # (no lock taken)
             return
         ids = {id(p) for p in params}
         with self._cv:

@@ -10,7 +10,7 @@ scales where the layout keeps them in host memory, and steps each slice's tensor
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -86,13 +86,21 @@ class SliceRunner:
         )  # fmt: skip
 
     def run(
-        self, plan: StepPlan, pieces: list[Slice], *, undo: dict[int, Future[Any]] | None = None
+        self,
+        plan: StepPlan,
+        pieces: list[Slice],
+        *,
+        undo: dict[int, Future[Any]] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> None:
         """Step ``pieces`` with ``plan`` through the pipeline (reading the held 8-bit scales
         first, once the layout holds them). ``undo`` makes it a speculative run: slice -> the
         write of its pre-step parameters, which its work waits for before changing them (and
-        takes from ``undo``); each slice's stamps are recorded, so that it can roll back. A
-        failure marks the state failed (some slices may have stepped) and is raised."""
+        takes from ``undo``); each slice's stamps are recorded, so that it can roll back.
+        ``between``: called before each slice and after the last, outside the pipeline's
+        calls (the calls a forward hands the worker, which then use the pipeline too); the
+        reads of the slices after it are started ahead as the budget allows. A failure marks
+        the state failed (some slices may have stepped) and is raised."""
         pipeline = self.parts.backend.pipeline
         try:
             scales = self._scales_job()
@@ -101,7 +109,18 @@ class SliceRunner:
             # with the names the scales hold, without the gradients in memory
             lag = plan.unwritten is not None
             jobs = [self.job(piece, held=plan.held, lag=lag) for piece in pieces]
-            pipeline.run(jobs, lambda job, tensors: self.work(plan, job, tensors, undo=undo))
+
+            def work(job: Job, tensors: dict[Region, torch.Tensor]) -> Any:
+                return self.work(plan, job, tensors, undo=undo)
+
+            if between is None:
+                pipeline.run(jobs, work)
+                return
+            for position, job in enumerate(jobs):
+                between()
+                pipeline.prefetch(jobs[position:])
+                pipeline.run([job], work)
+            between()
         except BaseException:
             self.parts.state.failed = True  # some slices may have stepped: close() must not commit
             raise

@@ -187,6 +187,10 @@ class Stepper:
         state.steps += 1
 
         fewer = self._ends_in_step and self._fewer_threads(pieces)  # on this thread
+        # streamed parameters: the forward's hooks read through the pipeline the step uses, so
+        # the worker serves them between its slices
+        serves = not self._ends_in_step and self._inline
+        between = self.deferred.between if serves else None
 
         def run() -> None:
             with torch.no_grad(), step_allocations(), step_threads(fewer):
@@ -197,7 +201,7 @@ class Stepper:
                         self.deferred.done(seg.slot.param for seg in rolled)
                     if speculated:
                         self.parts.backend.release_savepoint()
-                    self.runner.run(plan, pieces)
+                    self.runner.run(plan, pieces, between=between)
                 except BaseException:
                     state.failed = True  # parameters or state half rolled back
                     state.steps -= 1  # not taken (a loaded state continues from the one before)
@@ -215,7 +219,7 @@ class Stepper:
         counts: Counter[int] = Counter(id(seg.slot.param) for seg in rolled)
         for piece in pieces:
             counts.update({id(seg.slot.param) for seg in piece.segments if seg.slot.index in live})
-        self.deferred.start(counts, run)
+        self.deferred.start(counts, run, serves=serves)
 
     def _fewer_threads(self, pieces: list[Slice]) -> bool:
         """Whether a step of ``pieces`` on ``step()``'s thread, with nothing of tierswap's

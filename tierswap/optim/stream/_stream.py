@@ -65,8 +65,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -91,7 +91,47 @@ from tierswap.optim.stream._swap import (
     uploads_overlap,
 )
 
-__all__ = ["PREFETCH_MODULES", "ParameterStream"]
+__all__ = ["PREFETCH_MODULES", "ParameterStream", "StepIntoForward"]
+
+T = TypeVar("T")
+
+
+class StepIntoForward(Protocol):
+    """The optimizer's step that runs into the next forward (``overlap="forward"``: the
+    worker of :class:`~tierswap.optim.step.DeferredSteps`), as the stream sees it."""
+
+    def serve(self, call: Callable[[], T]) -> T:
+        """``call()`` on the thread that uses the pipeline now (the step's, while it runs)."""
+        ...
+
+    def wait(self) -> None:
+        """Wait for the step to end (raising its failure)."""
+        ...
+
+    def pending(self, param: torch.Tensor) -> bool:
+        """Whether the step has still to update ``param``."""
+        ...
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Wait until the step has updated ``params``."""
+        ...
+
+
+class _NoStep:
+    """No step runs into the forward: every call runs here."""
+
+    def serve(self, call: Callable[[], T]) -> T:
+        return call()
+
+    def wait(self) -> None:
+        pass
+
+    def pending(self, param: torch.Tensor) -> bool:
+        return False
+
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        pass
+
 
 #: Modules whose parameters are read ahead of the one in use.
 PREFETCH_MODULES = 2
@@ -107,7 +147,9 @@ class ParameterStream:
     ``device_budget`` for parameters (all of it on a GPU; without one, what the optimizer's
     state does not take of it); ``idle_room``: the bytes of ``host_budget`` where memory freed
     parameters leave may stay idle for the next ones, beside what ``budget`` leaves (on the
-    CPU: :func:`~tierswap.optim.stream._storage.idle_room`).
+    CPU: :func:`~tierswap.optim.stream._storage.idle_room`); ``step``: the optimizer's step
+    that runs into the forward (``overlap="forward"``), whose thread the forward's calls into
+    the pipeline go through while it runs.
     """
 
     def __init__(
@@ -118,8 +160,12 @@ class ParameterStream:
         *,
         budget: int,
         idle_room: int = 0,
+        step: StepIntoForward | None = None,
     ) -> None:
         self.parts = parts
+        #: The step that runs into the forward: the hooks' reads go through its thread while
+        #: it runs (it uses the pipeline), and backward waits for it.
+        self._step: StepIntoForward = step if step is not None else _NoStep()
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
         self._meta_born = set(meta_born)
         #: The model and each module that owns streamed parameters, with the slot indices of
@@ -233,6 +279,9 @@ class ParameterStream:
     # -- the hooks' events -------------------------------------------------------------------
     def before_forward(self, position: int) -> None:
         """Module ``position`` is about to run forward: its parameters must hold values."""
+        self._step.serve(functools.partial(self._before_forward, position))
+
+    def _before_forward(self, position: int) -> None:
         owned = self._modules[position][1]
         self._fetch(owned)
         self._used(position)  # reads ahead after its own: they would wait behind those
@@ -248,8 +297,8 @@ class ParameterStream:
         if self._running and self._running[-1] == position:  # forwards nest: it is the last
             self._running.pop()
         if not self._in_backward:
-            self._let_go([i for i in owned if self._users[i] <= 0])
-        if torch.is_grad_enabled():
+            self._step.serve(lambda: self._let_go([i for i in owned if self._users[i] <= 0]))
+        if torch.is_grad_enabled():  # (this thread's grad mode, not the step's)
             ref = weakref.ref(self)
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
@@ -260,6 +309,7 @@ class ParameterStream:
         """Backward reached an output of module ``position``: read its parameters (once per
         backward pass); the first call of a pass schedules :meth:`end_backward`."""
         if not self._in_backward:
+            self._step.wait()  # a step into the forward: its slices and the kept gradients'
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
             self._take_back_gradients()
@@ -310,6 +360,11 @@ class ParameterStream:
         backward. Outside any forward, a use that autograd may save (or one in backward)
         keeps it in use until backward ends or a step begins; another one borrows its values
         for the operation (:meth:`used`)."""
+        # (a module that reads another's parameter: its forward waited for its own alone)
+        self._step.wait_for([self._slot(index).param])
+        return self._step.serve(functools.partial(self._use, index, saved=saved))
+
+    def _use(self, index: int, *, saved: bool) -> bool:
         if self._users[index] > 0 and index in self._live:  # a running module's: the most
             return False
         if self._users[index] <= 0:
@@ -329,6 +384,9 @@ class ParameterStream:
         """The operation that the values of slot ``index`` were lent for (:meth:`use`) ran:
         let them go, unless its result views them (they then stay until backward ends or a
         step begins)."""
+        self._step.serve(functools.partial(self._used_by_one, index, viewed=viewed))
+
+    def _used_by_one(self, index: int, *, viewed: bool) -> None:
         if viewed:
             self._loose.add(index)
             self._users[index] += 1
@@ -366,6 +424,7 @@ class ParameterStream:
     def step_begins(self) -> None:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
         recording of the order of uses."""
+        self._step.wait()  # (a step into the forward that no backward waited for)
         self.drop_ahead()
         self._free(list(self._uploads))  # read from the masters the step rewrites
         if self._loose:
@@ -385,6 +444,7 @@ class ParameterStream:
         parameters: give them their current values (a key the state dict lacks keeps its
         value). The store must then hold the newest masters alone, since the load rewrites
         them there: resident slices are written back and dropped, reads ahead dropped."""
+        self._step.wait()
         self.drop_ahead()
         self.parts.backend.pipeline.evict()
         self._fetch(self._modules[position][1])
@@ -556,7 +616,12 @@ class ParameterStream:
         recorded order and read the next modules' parameters ahead."""
         upcoming = self._order.used(position, PREFETCH_MODULES)
         pipeline = self.parts.backend.pipeline
-        indices = [i for p in upcoming for i in self._modules[p][1] if i not in self._live]
+        indices = [  # (not those a step into the forward has still to write: stale)
+            i
+            for p in upcoming
+            for i in self._modules[p][1]
+            if i not in self._live and not self._step.pending(self._slot(i).param)
+        ]
         jobs = [
             read_job(self._slot(i), seg)
             for i in dict.fromkeys(indices)
@@ -605,6 +670,9 @@ class ParameterStream:
     def read_values(self, index: int) -> torch.Tensor:
         """A CPU copy of slot ``index``'s parameter values (for a state dict of the model),
         read without giving the parameter memory."""
+        return self._step.serve(functools.partial(self._read_values, index))
+
+    def _read_values(self, index: int) -> torch.Tensor:
         param = self._slot(index).param
         if index in self._live:
             with torch.no_grad():  # the optimizer's own read of the values: not a use
