@@ -138,6 +138,8 @@ MODES: dict[str, dict[str, Any]] = {
     # ... stepping in backward unchecked (overlap="backward": no clipping, no GradScaler), so
     # the gradients never go to the swap folder, as DeepSpeed runs here (without clipping)
     "stream-ram-fused-backward": {**STREAM_RAM_FUSED, "overlap": "backward"},
+    # ... what steps after backward (clipping, a GradScaler) runs on into the next forward
+    "stream-ram-fused-forward": {**STREAM_RAM_FUSED, "overlap": "forward"},
     # ... committing every 10 steps (the masters the kept parameters hold wait for it)
     "stream-ram-fused-backward-every10": {
         **STREAM_RAM_FUSED,

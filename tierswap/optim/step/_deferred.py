@@ -23,6 +23,8 @@ by one thread at a time, and the forward's hooks read their modules' parameters 
 While such a step runs, :meth:`DeferredSteps.serve` hands the hook's work to the worker, which
 runs it between two slices (:meth:`DeferredSteps.between`), and the calling thread waits for
 it; once the step has ended (its last calls served) the hooks run on their own thread again.
+That step runs on a thread of its own, at the priority of the training thread (the others run
+:data:`NICENESS` levels below it).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class DeferredSteps:
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tierswap-step", initializer=_yield_cpu
         )
+        #: The thread of a step that serves the forward (:meth:`serve`): at the priority of
+        #: the thread that made it, since the forward waits for it module by module (a nicer
+        #: worker would get the CPU only while the forward waits: the two would take turns).
+        self._serving_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierswap-serve")
         self._hook: Any = None
         self._guarded: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         #: A step that serves calls runs on the worker (:meth:`serve`), and the calls waiting.
@@ -133,7 +139,8 @@ class DeferredSteps:
             self._pending = dict(counts)
             self._failed = False
             self._serving = serves
-        self._future = self._pool.submit(self._run, run)
+        pool = self._serving_pool if serves else self._pool
+        self._future = pool.submit(self._run, run)
 
     def _run(self, run: Callable[[], None]) -> None:
         self._worker = threading.get_ident()
@@ -154,13 +161,11 @@ class DeferredSteps:
         a step that serves calls runs there (this thread waits for it, and gets its result or
         failure), else here."""
         if threading.get_ident() != self._worker:
+            future: Future[T] | None = None
             with self._cv:
                 if self._serving:
-                    future: Future[T] = Future()
+                    future = Future()
                     self._calls.append((call, future))
-                    self._cv.notify_all()
-                else:
-                    future = None  # type: ignore[assignment]
             if future is not None:
                 return future.result()
         return call()
@@ -267,3 +272,4 @@ class DeferredSteps:
                 self._hook.remove()
                 self._hook = None
             self._pool.shutdown(wait=True)
+            self._serving_pool.shutdown(wait=True)
