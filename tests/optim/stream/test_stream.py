@@ -34,7 +34,7 @@ from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.step import _runner, _speculation
 from tierswap.optim.step._runner import SliceRunner
-from tierswap.optim.stream import OffloadedGradient
+from tierswap.optim.stream import OffloadedGradient, ParameterStream
 from tierswap.pipeline import Job, Pipeline, Region
 from tierswap.tiers import DEVICE
 
@@ -1304,8 +1304,18 @@ def test_the_step_runs_into_the_next_forward_which_the_worker_serves(
     """``overlap="forward"``: ``step()`` returns before the slices step; the next forward's
     modules wait each for their own parameters, whose reads the step's worker runs between its
     slices (the pipeline has one user at a time). Clipping triggers in some steps (redone
-    slices); a model state dict taken right after ``step()`` holds the stepped values; every
+    slices); reads ahead of the next modules' parameters start once their slices have
+    stepped; a model state dict taken right after ``step()`` holds the stepped values; every
     step bitwise torch's."""
+    read_after_step: list[int] = []  # parameters read ahead once their slices stepped
+    stepped = ParameterStream._stepped
+
+    def counting(stream: ParameterStream) -> None:
+        waiting = set(stream._after_step)
+        stepped(stream)
+        read_after_step.append(len(waiting - stream._after_step))
+
+    monkeypatch.setattr(ParameterStream, "_stepped", counting)
     ref, model, plain, opt = _streaming(tmp_path, overlap="forward", commit_every=2)
     deferred = opt._deferred
     served: list[bool] = []  # for each hook call: whether it ran on the worker
@@ -1335,6 +1345,7 @@ def test_the_step_runs_into_the_next_forward_which_the_worker_serves(
         with torch.no_grad():
             assert torch.equal(ref(x), model(x))  # the forward the step runs into
     assert any(pending_after_step[1:])  # step() returned with slices still to step
+    assert sum(read_after_step) > 0
     assert any(served)  # hooks served by the worker
     assert not all(served)  # and on their own thread once no step runs
     opt.synchronize()

@@ -106,6 +106,7 @@ class DeferredSteps:
         self._serving = False
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._worker: int | None = None  # the worker's thread ident, once it ran
+        self._each_slice: weakref.WeakMethod[Callable[[], None]] | None = None
 
     @property
     def busy(self) -> bool:
@@ -177,6 +178,14 @@ class DeferredSteps:
             calls, self._calls = self._calls, []
         for call, future in calls:
             _settle(future, call)
+        each = self._each_slice() if self._each_slice is not None else None
+        if each is not None:
+            each()
+
+    def after_each_slice(self, call: weakref.WeakMethod[Callable[[], None]]) -> None:
+        """Have a step that serves calls call ``call`` (held weakly) between its slices, after
+        the calls waiting (the stream reads ahead what the slices just stepped)."""
+        self._each_slice = call
 
     def _serve_last(self) -> None:
         """The step ended: serve the calls that came meanwhile, then none more (they run on

@@ -58,10 +58,18 @@ which asks :meth:`ParameterStream.use` before an operation reads its values. Wit
 the innermost running module (the model itself among them) borrows it: from then on that
 module's hooks read it, as they read its own parameters. Outside any forward it keeps its
 values until backward ends (autograd may have saved it) or the next step begins.
+
+With ``overlap="forward"`` the step after backward runs on into the next forward on the
+optimizer's worker, which then also uses the pipeline: the stream's calls into it from the
+forward (a module's reads and frees, a use outside its module, ``model.state_dict()``) run
+on that worker between two of its slices (:class:`StepIntoForward`), a use first waits for
+that parameter's slices, reads ahead skip parameters whose slices have not stepped yet, and
+backward (or a step, or a load) waits for the step to end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import Counter
@@ -116,6 +124,10 @@ class StepIntoForward(Protocol):
         """Wait until the step has updated ``params``."""
         ...
 
+    def after_each_slice(self, call: weakref.WeakMethod[Callable[[], None]]) -> None:
+        """Call ``call`` on the step's thread after each of its slices (while it lives)."""
+        ...
+
 
 class _NoStep:
     """No step runs into the forward: every call runs here."""
@@ -130,6 +142,9 @@ class _NoStep:
         return False
 
     def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def after_each_slice(self, call: weakref.WeakMethod[Callable[[], None]]) -> None:
         pass
 
 
@@ -166,6 +181,10 @@ class ParameterStream:
         #: The step that runs into the forward: the hooks' reads go through its thread while
         #: it runs (it uses the pipeline), and backward waits for it.
         self._step: StepIntoForward = step if step is not None else _NoStep()
+        #: Slots of the next modules whose values are read ahead once the step into the
+        #: forward has stepped their slices.
+        self._after_step: set[int] = set()
+        self._step.after_each_slice(weakref.WeakMethod(self._stepped))
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
         self._meta_born = set(meta_born)
         #: The model and each module that owns streamed parameters, with the slot indices of
@@ -434,6 +453,7 @@ class ParameterStream:
 
     def drop_ahead(self) -> None:
         """Drop the reads started ahead that no use consumed."""
+        self._after_step.clear()
         if self._ahead:
             self.parts.backend.pipeline.release(self._ahead)
             self._ahead.clear()
@@ -613,26 +633,38 @@ class ParameterStream:
     # -- the order of uses -------------------------------------------------------------------
     def _used(self, position: int) -> None:
         """Module ``position`` is used now: record it (first iteration), or find it in the
-        recorded order and read the next modules' parameters ahead."""
+        recorded order and read the next modules' parameters ahead (those whose slices a step
+        into the forward has still to write once they have stepped: :meth:`_stepped`)."""
         upcoming = self._order.used(position, PREFETCH_MODULES)
+        indices = dict.fromkeys(i for p in upcoming for i in self._modules[p][1])
+        indices = dict.fromkeys(i for i in indices if i not in self._live)
+        self._after_step = {i for i in indices if self._step.pending(self._slot(i).param)}
+        self._read_ahead([i for i in indices if i not in self._after_step])
+        if upcoming:
+            self._upload_ahead(upcoming[0])
+
+    def _read_ahead(self, indices: list[int]) -> None:
+        """Start reading the values of the parameters of slots ``indices`` (those the
+        resident slices do not hold), as far as the host budget has room."""
         pipeline = self.parts.backend.pipeline
-        indices = [  # (not those a step into the forward has still to write: stale)
-            i
-            for p in upcoming
-            for i in self._modules[p][1]
-            if i not in self._live and not self._step.pending(self._slot(i).param)
-        ]
         jobs = [
             read_job(self._slot(i), seg)
-            for i in dict.fromkeys(indices)
+            for i in indices
             for piece, seg in segments(self.parts.layout, self._slot(i))
             if pipeline.resident_tier(piece) is None
         ]
         if jobs:
             pipeline.prefetch(jobs)
             self._ahead.update(job.name for job in jobs)
-        if upcoming:
-            self._upload_ahead(upcoming[0])
+
+    def _stepped(self) -> None:
+        """On the thread of a step into the forward, after each of its slices: read ahead the
+        parameters of the next modules whose slices have all stepped now."""
+        ready = [i for i in self._after_step if not self._step.pending(self._slot(i).param)]
+        if ready:
+            self._after_step.difference_update(ready)
+            with contextlib.suppress(Exception):  # a hint: their use reads them (raising then)
+                self._read_ahead(ready)
 
     def _upload_ahead(self, position: int) -> None:
         """On a GPU, start copying module ``position``'s parameters (used next) to the device
