@@ -154,7 +154,8 @@ class SwapOptimizer(Assembly):
         the slices step in backward, in the gradient hooks, with the gradients still in
         memory, and :meth:`step` checks them as above; with ``"backward"`` unchecked, and the
         gradients never go to the swap space (clipping them after backward raises).
-        ``"forward"`` is refused.
+        With ``"forward"`` what steps after backward runs on into the next forward, on the
+        worker, which also runs the forward's reads of the parameters between its slices.
         ``docs/optimizer.md``, "Streaming parameters".
     param_init_fn:
         With ``offload_parameters``, for a model built on the meta device (too large to build

@@ -18,7 +18,8 @@ for the next parameter of its size, within the room ``device_budget`` leaves and
 mapped. torch's allocator maps fresh 4 KiB pages for every large
 allocation, and each faults at its first write. In a streamed GPT-2 (10 x 2560, the 2-core
 bench machine, ``bench/param_refill.py``) refills ran at 3.2-3.7 GB/s with every use taking
-new memory, 4.3-5.1 GB/s with a 1 GiB ``device_budget`` reusing part of it; buffers new to
+new memory, 4.3-5.1 GB/s with a 1 GiB ``device_budget`` reusing part of it, 6.1-8.0 GB/s with
+a quarter of a 2 GiB ``host_budget`` holding it and ``device_budget=0``; buffers new to
 each use that asked for transparent huge pages ran at 2.2-2.6 GB/s there, so new memory comes
 from the allocator.
 """
@@ -150,6 +151,7 @@ def _reusable(param: torch.Tensor) -> bool:
 
 
 def _pooled(size: int) -> bool:
+    """Whether memory of ``size`` bytes is kept for reuse (:func:`_reusable` on the CPU)."""
     return _SWAPS and size >= POOLED_FROM and size % ALIGN == 0
 
 
@@ -159,9 +161,10 @@ def idle_room(sizes: list[int], *, host_budget: int, kept: int) -> int:
     ``device_budget`` do not keep them all: a quarter of the budget at most, none when that
     would not hold the smallest one that is reused.
 
-    A refill into memory already mapped saves the page faults of new memory (about 0.24 s per
-    GB refilled on the bench machine: ``bench/param_refill.py``); what the budget would hold
-    of optimizer state instead saves the disk two bytes per byte and step."""
+    A refill into memory already mapped saves the page faults of new memory (about 0.18 s per
+    GB refilled on the bench machine: 2.50 against 1.13 s for 7.8 GB, ``bench/param_refill.py``
+    with ``device_budget=0``); what the budget would hold of optimizer state instead saves the
+    disk two bytes per byte and step."""
     pooled = [size for size in sizes if _pooled(size)]
     if not pooled:
         return 0
