@@ -174,9 +174,7 @@ class DeferredSteps:
     def between(self) -> None:
         """On the worker, between two slices of a step that serves calls: run the calls
         waiting, in order."""
-        with self._cv:
-            calls, self._calls = self._calls, []
-        for call, future in calls:
+        for call, future in self._take_calls():
             _settle(future, call)
         each = self._each_slice() if self._each_slice is not None else None
         if each is not None:
@@ -190,14 +188,18 @@ class DeferredSteps:
     def _serve_last(self) -> None:
         """The step ended: serve the calls that came meanwhile, then none more (they run on
         their own threads from now on)."""
-        while True:
-            with self._cv:
-                calls, self._calls = self._calls, []
-                if not calls:
-                    self._serving = False
-                    return
+        while calls := self._take_calls(last=True):
             for call, future in calls:
                 _settle(future, call)
+
+    def _take_calls(self, *, last: bool = False) -> list[tuple[Callable[[], Any], Future[Any]]]:
+        """The calls waiting, taken off the queue; with ``last``, when none waits, the step
+        serves none more (under the lock, so that none is left queued)."""
+        with self._cv:
+            calls, self._calls = self._calls, []
+            if last and not calls:
+                self._serving = False
+            return calls
 
     def pending(self, param: torch.Tensor) -> bool:
         """Whether the step under way has still to update (part of) ``param``."""
