@@ -11,6 +11,8 @@ while their modules run, and the swap space keeps their values.
 - ``_swap``: where a parameter's values and kept gradient are in the swap space, and the
   moves between there and memory (copies from resident slices, the pipeline's reads and
   write-behinds);
+- ``_into_forward``: the step that runs into the next forward (``overlap="forward"``), as
+  the stream sees it: whose thread its calls into the pipeline go through meanwhile;
 - ``_hooks``: the module hooks, which hold the stream weakly;
 - ``_guard``: :class:`~tierswap.optim.stream._guard.StreamedParameter`, what a streamed
   parameter is meanwhile: it asks the stream for its values where no hook of its module runs,

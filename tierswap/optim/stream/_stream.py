@@ -59,12 +59,9 @@ the innermost running module (the model itself among them) borrows it: from then
 module's hooks read it, as they read its own parameters. Outside any forward it keeps its
 values until backward ends (autograd may have saved it) or the next step begins.
 
-With ``overlap="forward"`` the step after backward runs on into the next forward on the
-optimizer's worker, which then also uses the pipeline: the stream's calls into it from the
-forward (a module's reads and frees, a use outside its module, ``model.state_dict()``) run
-on that worker between two of its slices (:class:`StepIntoForward`), a use first waits for
-that parameter's slices, reads ahead skip parameters whose slices have not stepped yet, and
-backward (or a step, or a load) waits for the step to end.
+With ``overlap="forward"`` the step after backward runs on into the next forward, and the
+stream's calls into the pipeline from the forward go through its thread
+(:mod:`~tierswap.optim.stream._into_forward`).
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ import contextlib
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -85,6 +82,7 @@ from tierswap.optim.plan import Slot
 from tierswap.optim.stream._gradients import KeptGradients
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
+from tierswap.optim.stream._into_forward import NoStep, StepIntoForward
 from tierswap.optim.stream._order import UseOrder
 from tierswap.optim.stream._placeholder import OffloadedGradient
 from tierswap.optim.stream._storage import ParameterMemory, nbytes, to_meta
@@ -99,54 +97,7 @@ from tierswap.optim.stream._swap import (
     uploads_overlap,
 )
 
-__all__ = ["PREFETCH_MODULES", "ParameterStream", "StepIntoForward"]
-
-T = TypeVar("T")
-
-
-class StepIntoForward(Protocol):
-    """The optimizer's step that runs into the next forward (``overlap="forward"``: the
-    worker of :class:`~tierswap.optim.step.DeferredSteps`), as the stream sees it."""
-
-    def serve(self, call: Callable[[], T]) -> T:
-        """``call()`` on the thread that uses the pipeline now (the step's, while it runs)."""
-        ...
-
-    def wait(self) -> None:
-        """Wait for the step to end (raising its failure)."""
-        ...
-
-    def pending(self, param: torch.Tensor) -> bool:
-        """Whether the step has still to update ``param``."""
-        ...
-
-    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
-        """Wait until the step has updated ``params``."""
-        ...
-
-    def after_each_slice(self, call: weakref.WeakMethod[Callable[[], None]]) -> None:
-        """Call ``call`` on the step's thread after each of its slices (while it lives)."""
-        ...
-
-
-class _NoStep:
-    """No step runs into the forward: every call runs here."""
-
-    def serve(self, call: Callable[[], T]) -> T:
-        return call()
-
-    def wait(self) -> None:
-        pass
-
-    def pending(self, param: torch.Tensor) -> bool:
-        return False
-
-    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
-        pass
-
-    def after_each_slice(self, call: weakref.WeakMethod[Callable[[], None]]) -> None:
-        pass
-
+__all__ = ["PREFETCH_MODULES", "ParameterStream"]
 
 #: Modules whose parameters are read ahead of the one in use.
 PREFETCH_MODULES = 2
@@ -180,7 +131,7 @@ class ParameterStream:
         self.parts = parts
         #: The step that runs into the forward: the hooks' reads go through its thread while
         #: it runs (it uses the pipeline), and backward waits for it.
-        self._step: StepIntoForward = step if step is not None else _NoStep()
+        self._step: StepIntoForward = step if step is not None else NoStep()
         #: Slots of the next modules whose values are read ahead once the step into the
         #: forward has stepped their slices.
         self._after_step: set[int] = set()
