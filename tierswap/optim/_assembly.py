@@ -300,9 +300,7 @@ def _state_device_bytes(config: SwapConfig, groups: list[dict[str, Any]]) -> int
         return config.device_bytes
     if not _device_tier_in_ram():
         return 0
-    params: dict[int, torch.Tensor] = {id(p): p for group in groups for p in group["params"]}
-    values = sum(p.numel() * p.element_size() for p in params.values())
-    return max(config.device_bytes - values, 0)
+    return max(config.device_bytes - sum(_value_bytes(groups)), 0)
 
 
 def _idle_room_bytes(config: SwapConfig, groups: list[dict[str, Any]], state_device: int) -> int:
@@ -313,9 +311,14 @@ def _idle_room_bytes(config: SwapConfig, groups: list[dict[str, Any]], state_dev
     host = config.host_bytes
     if not config.offload_parameters or host is None or not _device_tier_in_ram():
         return 0
+    kept = config.device_bytes - state_device
+    return idle_room(_value_bytes(groups), host_budget=host, kept=kept)
+
+
+def _value_bytes(groups: list[dict[str, Any]]) -> list[int]:
+    """The bytes of each parameter of ``groups`` (once, however many groups name it)."""
     params: dict[int, torch.Tensor] = {id(p): p for group in groups for p in group["params"]}
-    sizes = [p.numel() * p.element_size() for p in params.values()]
-    return idle_room(sizes, host_budget=host, kept=config.device_bytes - state_device)
+    return [p.numel() * p.element_size() for p in params.values()]
 
 
 def _device_tier_in_ram() -> bool:

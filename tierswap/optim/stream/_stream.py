@@ -587,8 +587,9 @@ class ParameterStream:
         recorded order and read the next modules' parameters ahead (those whose slices a step
         into the forward has still to write once they have stepped: :meth:`_stepped`)."""
         upcoming = self._order.used(position, PREFETCH_MODULES)
-        indices = dict.fromkeys(i for p in upcoming for i in self._modules[p][1])
-        indices = dict.fromkeys(i for i in indices if i not in self._live)
+        indices = dict.fromkeys(
+            i for p in upcoming for i in self._modules[p][1] if i not in self._live
+        )
         self._after_step = {i for i in indices if self._step.pending(self._slot(i).param)}
         self._read_ahead([i for i in indices if i not in self._after_step])
         if upcoming:
