@@ -34,7 +34,8 @@ from tierswap.errors import ConfigError, GradientOffloadedError
 from tierswap.optim import SwapOptimizer, _assembly
 from tierswap.optim.step import _runner, _speculation
 from tierswap.optim.step._runner import SliceRunner
-from tierswap.optim.stream import OffloadedGradient, ParameterStream
+from tierswap.optim.stream import OffloadedGradient
+from tierswap.optim.stream._ahead import ReadsAhead
 from tierswap.pipeline import Job, Pipeline, Region
 from tierswap.tiers import DEVICE
 
@@ -196,7 +197,7 @@ def test_reads_ahead_the_next_modules_after_the_first_step(tmp_path: Path) -> No
     )  # fmt: skip
     assert opt.placement == {}  # every slice streams: the parameters are read from disk
     ahead: list[int] = []
-    model.mid.register_forward_pre_hook(lambda *_: ahead.append(len(opt._stream._ahead)))
+    model.mid.register_forward_pre_hook(lambda *_: ahead.append(len(opt._stream._ahead.names)))
     for step in range(3):
         _train(model, opt, step, 1.0)
     assert ahead[0] == 0  # the first iteration records the order
@@ -1308,14 +1309,14 @@ def test_the_step_runs_into_the_next_forward_which_the_worker_serves(
     stepped; a model state dict taken right after ``step()`` holds the stepped values; every
     step bitwise torch's."""
     read_after_step: list[int] = []  # parameters read ahead once their slices stepped
-    stepped = ParameterStream._stepped
+    stepped = ReadsAhead.stepped
 
-    def counting(stream: ParameterStream) -> None:
-        waiting = set(stream._after_step)
-        stepped(stream)
-        read_after_step.append(len(waiting - stream._after_step))
+    def counting(ahead: ReadsAhead) -> None:
+        waiting = set(ahead._after_step)
+        stepped(ahead)
+        read_after_step.append(len(waiting - ahead._after_step))
 
-    monkeypatch.setattr(ParameterStream, "_stepped", counting)
+    monkeypatch.setattr(ReadsAhead, "stepped", counting)
     ref, model, plain, opt = _streaming(tmp_path, overlap="forward", commit_every=2)
     deferred = opt._deferred
     served: list[bool] = []  # for each hook call: whether it ran on the worker

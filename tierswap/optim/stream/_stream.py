@@ -13,8 +13,8 @@ newest master, copied from there; any other slice's master is read from the stor
 the optimizer's :class:`~tierswap.pipeline.Pipeline` (one job per slice segment, within the
 host budget, in order after the write-behinds that overlap it). The order in which modules
 are used is recorded over the first iteration (up to the first ``step()``); later uses read
-the next modules' parameters ahead, as the lookahead policy does for the step's slices.
-Reads started ahead are dropped when a step begins, since the step rewrites the masters. On a
+the next modules' parameters ahead, as the lookahead policy does for the step's slices
+(:mod:`~tierswap.optim.stream._ahead`, dropped when a step begins: it rewrites the masters). On a
 GPU the module used next is also copied to the device ahead, once its values are in host memory,
 so that its upload hides behind the kernels of the module in use (``_upload_ahead``).
 
@@ -66,7 +66,6 @@ stream's calls into the pipeline from the forward go through its thread
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from collections import Counter
@@ -79,6 +78,7 @@ from torch.utils._pytree import tree_leaves
 from tierswap.engine import ToDevice
 from tierswap.optim.persist import OptimizerParts, write_lagging_masters, write_master
 from tierswap.optim.plan import Slot
+from tierswap.optim.stream._ahead import ReadsAhead
 from tierswap.optim.stream._gradients import KeptGradients
 from tierswap.optim.stream._guard import guard, unguard, warn_unguarded
 from tierswap.optim.stream._hooks import before_backward, check_owned, hook_modules, owners
@@ -91,9 +91,7 @@ from tierswap.optim.stream._swap import (
     keep_values,
     landed,
     read_into,
-    read_job,
     ready_all,
-    segments,
     uploads_overlap,
 )
 
@@ -132,10 +130,8 @@ class ParameterStream:
         #: The step that runs into the forward: the hooks' reads go through its thread while
         #: it runs (it uses the pipeline), and backward waits for it.
         self._step: StepIntoForward = step if step is not None else NoStep()
-        #: Slots of the next modules whose values are read ahead once the step into the
-        #: forward has stepped their slices.
-        self._after_step: set[int] = set()
-        self._step.after_each_slice(weakref.WeakMethod(self._stepped))
+        #: The reads of the next modules' parameters started ahead of their use.
+        self._ahead = ReadsAhead(parts, self._step)
         #: Slots whose parameter was built on the meta device: :meth:`close` returns it there.
         self._meta_born = set(meta_born)
         #: The model and each module that owns streamed parameters, with the slot indices of
@@ -153,7 +149,6 @@ class ParameterStream:
         self._in_backward = False
         self._seen_in_backward: set[int] = set()  # modules backward has reached
         self._order = UseOrder()  # modules in the order of their uses, recorded once
-        self._ahead: set[Any] = set()  # names of the jobs read ahead
         #: Slots uploaded to the GPU ahead of their module's use: the copies (a list a module).
         self._uploads: dict[int, list[ToDevice]] = {}
         self._handles: list[Any] = []
@@ -195,7 +190,7 @@ class ParameterStream:
         if model is None:
             return
         self._unhook()
-        self.drop_ahead()
+        self._ahead.drop()
         self._free(self._kept | set(self._uploads))
         self._kept.clear()
         self._modules = owners(model, self.parts.layout.slot_of)
@@ -231,7 +226,7 @@ class ParameterStream:
         model that did not fit in memory returns to the meta device (its values stay in the
         swap folder, from which a run resumes)."""
         self._unhook()
-        self.drop_ahead()
+        self._ahead.drop()
         for _, owned in self._modules:
             self._fetch([i for i in owned if i not in self._meta_born])
         self._memory.trim(0)
@@ -395,19 +390,12 @@ class ParameterStream:
         """A step will rewrite the masters: drop reads started ahead; the first step ends the
         recording of the order of uses."""
         self._step.wait()  # (a step into the forward that no backward waited for)
-        self.drop_ahead()
+        self._ahead.drop()
         self._free(list(self._uploads))  # read from the masters the step rewrites
         if self._loose:
             self._let_go(self._release_loose())
         self._keep_edits(list(self._live))  # the step reads the masters, updates the values
         self._order.step_begins([owned for _, owned in self._modules])
-
-    def drop_ahead(self) -> None:
-        """Drop the reads started ahead that no use consumed."""
-        self._after_step.clear()
-        if self._ahead:
-            self.parts.backend.pipeline.release(self._ahead)
-            self._ahead.clear()
 
     # -- model.load_state_dict() -------------------------------------------------------------
     def before_load(self, position: int) -> None:
@@ -416,7 +404,7 @@ class ParameterStream:
         value). The store must then hold the newest masters alone, since the load rewrites
         them there: resident slices are written back and dropped, reads ahead dropped."""
         self._step.wait()
-        self.drop_ahead()
+        self._ahead.drop()
         self.parts.backend.pipeline.evict()
         self._fetch(self._modules[position][1])
 
@@ -430,7 +418,7 @@ class ParameterStream:
 
     def reset(self) -> None:
         """The masters were replaced (a resume, a loaded snapshot): free what holds values."""
-        self.drop_ahead()
+        self._ahead.drop()
         self._release_loose()
         self._kept.clear()
         self._free(list(self._live), keep_edits=False)
@@ -476,7 +464,8 @@ class ParameterStream:
         master (or, with ``grad``, its kept gradient), counting the bytes (``later``: the
         copies, not waited for, as :func:`read_into` makes them)."""
         pipeline, layout = self.parts.backend.pipeline, self.parts.layout
-        copied, fetched = read_into(pipeline, layout, targets, self._ahead, grad=grad, later=later)
+        ahead = self._ahead.names
+        copied, fetched = read_into(pipeline, layout, targets, ahead, grad=grad, later=later)
         self.copied_bytes += copied
         self.fetched_bytes += fetched
 
@@ -571,7 +560,7 @@ class ParameterStream:
         ]
         if not edited:
             return
-        self.drop_ahead()
+        self._ahead.drop()
         pipeline, layout = self.parts.backend.pipeline, self.parts.layout
         with torch.no_grad():  # the optimizer's own read of the values: not a use
             for index in edited:
@@ -584,39 +573,13 @@ class ParameterStream:
     # -- the order of uses -------------------------------------------------------------------
     def _used(self, position: int) -> None:
         """Module ``position`` is used now: record it (first iteration), or find it in the
-        recorded order and read the next modules' parameters ahead (those whose slices a step
-        into the forward has still to write once they have stepped: :meth:`_stepped`)."""
+        recorded order and read the next modules' parameters ahead (:class:`ReadsAhead`)."""
         upcoming = self._order.used(position, PREFETCH_MODULES)
-        indices = dict.fromkeys(
-            i for p in upcoming for i in self._modules[p][1] if i not in self._live
+        self._ahead.start(
+            dict.fromkeys(i for p in upcoming for i in self._modules[p][1] if i not in self._live)
         )
-        self._after_step = {i for i in indices if self._step.pending(self._slot(i).param)}
-        self._read_ahead([i for i in indices if i not in self._after_step])
         if upcoming:
             self._upload_ahead(upcoming[0])
-
-    def _read_ahead(self, indices: list[int]) -> None:
-        """Start reading the values of the parameters of slots ``indices`` (those the
-        resident slices do not hold), as far as the host budget has room."""
-        pipeline = self.parts.backend.pipeline
-        jobs = [
-            read_job(self._slot(i), seg)
-            for i in indices
-            for piece, seg in segments(self.parts.layout, self._slot(i))
-            if pipeline.resident_tier(piece) is None
-        ]
-        if jobs:
-            pipeline.prefetch(jobs)
-            self._ahead.update(job.name for job in jobs)
-
-    def _stepped(self) -> None:
-        """On the thread of a step into the forward, after each of its slices: read ahead the
-        parameters of the next modules whose slices have all stepped now."""
-        ready = [i for i in self._after_step if not self._step.pending(self._slot(i).param)]
-        if ready:
-            self._after_step.difference_update(ready)
-            with contextlib.suppress(Exception):  # a hint: their use reads them (raising then)
-                self._read_ahead(ready)
 
     def _upload_ahead(self, position: int) -> None:
         """On a GPU, start copying module ``position``'s parameters (used next) to the device
