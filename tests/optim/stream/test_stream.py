@@ -189,22 +189,6 @@ def test_only_the_running_module_holds_its_parameters(tmp_path: Path) -> None:
     opt.close()
 
 
-def test_reads_ahead_the_next_modules_after_the_first_step(tmp_path: Path) -> None:
-    _, model = _pair()
-    opt = SwapOptimizer(
-        model, torch.optim.AdamW, swap_dir=tmp_path, host_budget=65536,
-        policy="lru", offload_parameters=True, **KWARGS,
-    )  # fmt: skip
-    assert opt.placement == {}  # every slice streams: the parameters are read from disk
-    ahead: list[int] = []
-    model.mid.register_forward_pre_hook(lambda *_: ahead.append(len(opt._stream._ahead.names)))
-    for step in range(3):
-        _train(model, opt, step, 1.0)
-    assert ahead[0] == 0  # the first iteration records the order
-    assert all(n > 0 for n in ahead[1:]), ahead
-    opt.close()
-
-
 transformers = pytest.importorskip("transformers")
 
 
