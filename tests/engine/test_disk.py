@@ -131,3 +131,101 @@ def test_a_write_is_in_flight_until_its_then_has_run(store) -> None:
     assert ended == [None]
     with cv:
         assert not disk.in_flight
+
+
+class HeldWrites:
+    """A store whose region writes reach the real store only once ``release`` is set: until
+    then they are in flight."""
+
+    def __init__(self, store: ts.SwapStore) -> None:
+        self._store = store
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def put_region_async(self, key: str, start: int, tensor: torch.Tensor) -> Future[None]:
+        done: Future[None] = Future()
+
+        def write() -> None:
+            self.release.wait(5)
+            self._store.put_region_async(key, start, tensor).result()
+            done.set_result(None)
+
+        threading.Thread(target=write).start()
+        return done
+
+
+def test_a_read_that_a_write_in_flight_holds_is_copied_from_it(store) -> None:
+    """While a write is in flight, a read of bytes it holds whole is copied from its tensor
+    (the store reads nothing, ``bytes_forwarded`` counts it); a read it holds in part, and
+    any read after it ended, goes to the store."""
+    held = HeldWrites(store)
+    disk = Disk(held, threading.Condition())
+    disk.write({Region("x", 0, 1024): torch.arange(1024.0)})
+    before = disk.traffic()
+    out = torch.empty(100)
+    assert disk.read(Region("x", 100, 200), out).result() is out
+    assert torch.equal(out, torch.arange(100.0, 200.0))
+    traffic = disk.traffic()
+    assert traffic["bytes_forwarded"] == 400
+    assert traffic["bytes_read"] == before["bytes_read"]
+    disk.read(Region("x", 1000, 1100), torch.empty(100)).result()  # in part: the store
+    assert disk.traffic()["bytes_read"] > before["bytes_read"]
+    assert disk.traffic()["bytes_forwarded"] == 400
+    held.release.set()
+    disk.wait()
+    disk.read(Region("x", 100, 200), out).result()
+    assert torch.equal(out, torch.arange(100.0, 200.0))  # from the store now
+    assert disk.traffic()["bytes_forwarded"] == 400
+
+
+def test_the_newest_write_that_overlaps_a_read_decides(store) -> None:
+    """Of two writes in flight over the same bytes, a read copies the newer one's; where the
+    newest overlapping write holds the read in part, the read is not copied from an older one
+    that holds it whole."""
+    held = HeldWrites(store)
+    disk = Disk(held, threading.Condition())
+    disk.write({Region("x", 0, 8): torch.full((8,), 1.0)})
+    disk.write({Region("x", 0, 8): torch.full((8,), 2.0)})
+    out = torch.empty(4)
+    disk.read(Region("x", 0, 4), out).result()
+    assert torch.equal(out, torch.full((4,), 2.0))
+    disk.write({Region("x", 6, 12): torch.full((6,), 3.0)})
+    disk.read(Region("x", 4, 8), torch.empty(4)).result()  # the newest holds it in part
+    assert disk.traffic()["bytes_forwarded"] == 16
+    held.release.set()
+    disk.wait()
+
+
+def test_a_write_does_not_end_while_a_read_copies_from_it(
+    store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's ``then`` (which gives its buffers back for reuse) runs only once a read that
+    copies from its tensor has finished copying."""
+    held = HeldWrites(store)
+    disk = Disk(held, threading.Condition())
+    ended: list[BaseException | None] = []
+    disk.write({Region("x", 0, 8): torch.full((8,), 5.0)}, then=ended.append)
+    copying, finish = threading.Event(), threading.Event()
+    copy = torch.Tensor.copy_
+
+    def slow_copy(self: torch.Tensor, source: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        copying.set()
+        assert finish.wait(5)
+        return copy(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", slow_copy)
+    out = torch.empty(8)
+    reader = threading.Thread(target=lambda: disk.read(Region("x", 0, 8), out).result())
+    reader.start()
+    assert copying.wait(5)
+    held.release.set()  # the store has the write
+    reader.join(0.1)
+    assert not ended  # its end waits for the copy
+    finish.set()
+    reader.join(5)
+    monkeypatch.undo()
+    disk.wait()
+    assert ended == [None]
+    assert torch.equal(out, torch.full((8,), 5.0))

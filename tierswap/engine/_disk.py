@@ -8,6 +8,12 @@ a write may wait for its bytes (``after``: a copy back from the device), and a r
 such a write replaces waits until the store has the write; a write that cannot start counts as
 failed once the writes of the same call that did start have ended.
 
+A read of bytes that a write still in flight holds whole is *forwarded*: copied from that
+write's tensor, which stays unchanged until the write ends, instead of read back from the
+drive (a step that runs into the forward writes a slice's masters, and the forward reads them
+a moment later). The newest write that overlaps the read decides: one that holds only part of
+it sends the read to the store, which orders it after the write.
+
 Private to :mod:`tierswap.engine`."""
 
 from __future__ import annotations
@@ -82,6 +88,16 @@ def _key(target: Target) -> str:
     return target if isinstance(target, str) else target.key
 
 
+def _held_in(written: Target, tensor: torch.Tensor, target: Target) -> torch.Tensor | None:
+    """The elements of ``target`` in ``tensor`` (written to ``written``), if it holds all of
+    them."""
+    if isinstance(written, str) or isinstance(target, str):
+        return tensor if written == target else None
+    if written.key != target.key or not written.start <= target.start < target.stop <= written.stop:
+        return None
+    return tensor.reshape(-1)[target.start - written.start : target.stop - written.start]
+
+
 def nbytes_of(tensors: Mapping[Any, torch.Tensor]) -> int:
     """Bytes of the tensors of ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -124,6 +140,11 @@ class Disk:
     def __init__(self, store: StoreProtocol, cv: threading.Condition) -> None:
         self.store, self._cv = store, cv
         self._futures: list[Future[Any]] = []  # writes not ended
+        #: The tensors of the writes handed to the store and not ended (their targets ->
+        #: tensors), in the order they were handed.
+        self._writing: dict[Future[Any], Writes] = {}
+        self._pins: dict[Future[Any], int] = {}  # forwarded reads copying from each write
+        self._forwarded = 0  # bytes of reads forwarded from writes in flight
         # writes waiting for their bytes (``after``): their targets, by the future of the
         # moment the store gets them
         self._unsent: dict[Future[None], tuple[Target, ...]] = {}
@@ -134,12 +155,54 @@ class Disk:
     def read(self, target: Target, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
         """Start reading ``target`` into ``out`` (a buffer whose bytes the caller reserved, or
         ``None``: the store allocates one). Waits first for writes still to be handed to the
-        store that would replace bytes it reads. A read that cannot start raises here."""
+        store that would replace bytes it reads; a read that a write in flight holds whole is
+        copied from it (its bytes count in :meth:`traffic`). A read that cannot start raises
+        here."""
         for handed in self.unsent_to((target,)):
             handed.exception()
+        forwarded = self._forward(target, out)
+        if forwarded is not None:
+            return forwarded
         if isinstance(target, str):
             return self.store.get_async(target, out=out)
         return self.store.get_region_async(target.key, target.start, target.stop, out=out)
+
+    def _forward(self, target: Target, out: torch.Tensor | None) -> Future[torch.Tensor] | None:
+        """``target``'s values copied into ``out`` (a new tensor if ``None``) from the newest
+        write in flight that overlaps it, if that write holds all of them in ``out``'s dtype;
+        else ``None``. The write does not end (its tensor is not given back) during the
+        copy."""
+        with self._cv:
+            found = self._newest_holding(target)
+            if found is None or (out is not None and out.dtype != found[1].dtype):
+                return None
+            done, source = found
+            self._pins[done] = self._pins.get(done, 0) + 1
+        try:
+            with torch.no_grad():
+                if out is None:
+                    out = source.clone()
+                else:
+                    out.view(-1).copy_(source.reshape(-1))
+        finally:
+            with self._cv:
+                self._pins[done] -= 1
+                self._cv.notify_all()
+        with self._cv:
+            self._forwarded += out.numel() * out.element_size()
+        result: Future[torch.Tensor] = Future()
+        result.set_result(out)
+        return result
+
+    def _newest_holding(self, target: Target) -> tuple[Future[Any], torch.Tensor] | None:
+        """The newest write in flight that overlaps ``target`` and its elements of it, if it
+        holds them all (one tensor of it). The caller holds the condition."""
+        for done, writes in reversed(self._writing.items()):
+            hits = [(t, tensor) for t, tensor in writes.items() if overlap(t, target)]
+            if hits:
+                source = _held_in(*hits[0], target) if len(hits) == 1 else None
+                return None if source is None else (done, source)
+        return None
 
     def read_all(self, reads: Mapping[Region, torch.Tensor]) -> Future[Any]:
         """Start every read of ``reads`` (region -> its buffer); one future for all of them
@@ -193,6 +256,8 @@ class Disk:
         try:
             if after is not None:
                 after.result()
+            with self._cv:  # its bytes are there: reads of them may copy them from now on
+                self._writing[done] = writes
             written = _start_all(functools.partial(_start_write, self.store), writes)
         except BaseException as exc:
             done.set_exception(exc)
@@ -204,8 +269,12 @@ class Disk:
         ``then`` wakes), then ``then``, and only then the write leaves :attr:`in_flight`, so
         that :meth:`wait` (and a front end waiting for room) finds what ``then`` gave back."""
         error = done.exception()
-        if error is not None and keep_errors:
-            with self._cv:
+        with self._cv:
+            while self._pins.get(done):  # a forwarded read still copies its tensors
+                self._cv.wait()
+            self._pins.pop(done, None)
+            self._writing.pop(done, None)
+            if error is not None and keep_errors:
                 self._errors.append(error)
         try:
             if then is not None:
@@ -251,9 +320,13 @@ class Disk:
         """What the store read and wrote since this disk was made: ``bytes_read`` and
         ``bytes_written`` (the bytes of each chunk file read or written: a region that covers
         part of a chunk may move the whole chunk), ``reads`` and ``writes`` (chunk files). The
-        store's own counters, so they include any other user of the store."""
+        store's own counters, so they include any other user of the store; and
+        ``bytes_forwarded``, this disk's reads copied from writes in flight (:meth:`read`)."""
         now = self.store.stats()
-        return {name: now[name] - self._baseline.get(name, 0) for name in now}
+        with self._cv:
+            forwarded = self._forwarded
+        traffic = {name: now[name] - self._baseline.get(name, 0) for name in now}
+        return {**traffic, "bytes_forwarded": forwarded}
 
 
 def _settle(target: Future[Any], source: Future[Any]) -> None:

@@ -43,7 +43,9 @@ class CacheStats:
     the item is resident there or being read into it. ``nvme_bytes_read`` / ``nvme_bytes_written``
     and ``nvme_reads`` / ``nvme_writes``: bytes and chunk files the store read and wrote
     (:meth:`~tierswap.engine.Disk.traffic`; the store's own counters, so other users of the store
-    count too). ``stall_seconds``: time callers spent blocked on reads or write-backs in flight."""
+    count too). ``nvme_bytes_forwarded``: bytes of reads served from writes still in flight,
+    which the store did not read. ``stall_seconds``: time callers spent blocked on reads or
+    write-backs in flight."""
 
     device: TierStats
     host: TierStats
@@ -51,6 +53,7 @@ class CacheStats:
     nvme_bytes_written: int = 0
     nvme_reads: int = 0
     nvme_writes: int = 0
+    nvme_bytes_forwarded: int = 0
     stall_seconds: float = 0.0
 
     @classmethod
@@ -65,6 +68,7 @@ class CacheStats:
             nvme_bytes_written=traffic.get("bytes_written", 0),
             nvme_reads=traffic.get("reads", 0),
             nvme_writes=traffic.get("writes", 0),
+            nvme_bytes_forwarded=traffic.get("bytes_forwarded", 0),
             stall_seconds=stall_seconds,
         )
 
@@ -78,6 +82,7 @@ class CacheStats:
                 "bytes_written": self.nvme_bytes_written,
                 "reads": self.nvme_reads,
                 "writes": self.nvme_writes,
+                "bytes_forwarded": self.nvme_bytes_forwarded,
             },
             "stall_seconds": self.stall_seconds,
         }
