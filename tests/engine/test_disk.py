@@ -229,3 +229,20 @@ def test_a_write_does_not_end_while_a_read_copies_from_it(
     disk.wait()
     assert ended == [None]
     assert torch.equal(out, torch.full((8,), 5.0))
+
+
+def test_a_write_through_waits_for_the_writes_of_its_item_in_flight(store) -> None:
+    """``put`` writes after the writes of the item still in flight, so that no read copies an
+    older value from one of them, and the store ends with the put's value."""
+    held = HeldWrites(store)
+    disk = Disk(held, threading.Condition())
+    disk.write({Region("x", 0, 8): torch.full((8,), 1.0)})
+    putter = threading.Thread(target=disk.put, args=("x", torch.full((4096,), 9.0)))
+    putter.start()
+    putter.join(0.1)
+    assert putter.is_alive()  # the region's write is in flight
+    held.release.set()
+    putter.join(5)
+    assert not putter.is_alive()
+    assert torch.equal(disk.read("x").result(), torch.full((4096,), 9.0))
+    disk.wait()

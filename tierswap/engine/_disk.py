@@ -286,9 +286,13 @@ class Disk:
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
         """Write the item ``key`` now (a write-through; the caller waits), after any write of
-        it still waiting for its bytes. A failure raises here and is not kept."""
+        it still waiting for its bytes or in flight (reads copy from the newest write in
+        flight: none may be older than this one). A failure raises here and is not kept."""
         for handed in self.unsent_to((key,)):
             handed.exception()
+        with self._cv:
+            while any(overlap(t, key) for writes in self._writing.values() for t in writes):
+                self._cv.wait()  # each end notifies
         self.store.put(key, tensor)
 
     def unsent_to(self, reads: Iterable[Target]) -> list[Future[None]]:
