@@ -140,9 +140,9 @@ class Disk:
     def __init__(self, store: StoreProtocol, cv: threading.Condition) -> None:
         self.store, self._cv = store, cv
         self._futures: list[Future[Any]] = []  # writes not ended
-        #: The tensors of the writes handed to the store and not ended (their targets ->
-        #: tensors), in the order they were handed.
-        self._writing: dict[Future[Any], Writes] = {}
+        #: The writes handed to the store and not ended, by stored key: each write's target
+        #: of that key and its tensor, in the order they were handed.
+        self._writing: dict[str, list[tuple[Future[Any], Target, torch.Tensor]]] = {}
         self._pins: dict[Future[Any], int] = {}  # forwarded reads copying from each write
         self._forwarded = 0  # bytes of reads forwarded from writes in flight
         # writes waiting for their bytes (``after``): their targets, by the future of the
@@ -197,10 +197,9 @@ class Disk:
     def _newest_holding(self, target: Target) -> tuple[Future[Any], torch.Tensor] | None:
         """The newest write in flight that overlaps ``target`` and its elements of it, if it
         holds them all (one tensor of it). The caller holds the condition."""
-        for done, writes in reversed(self._writing.items()):
-            hits = [(t, tensor) for t, tensor in writes.items() if overlap(t, target)]
-            if hits:
-                source = _held_in(*hits[0], target) if len(hits) == 1 else None
+        for done, written, tensor in reversed(self._writing.get(_key(target), ())):
+            if overlap(written, target):
+                source = _held_in(written, tensor, target)
                 return None if source is None else (done, source)
         return None
 
@@ -232,7 +231,7 @@ class Disk:
         done: Future[Any] = Future()
         with self._cv:
             self._futures.append(done)
-        done.add_done_callback(lambda f: self._ended(f, then, keep_errors))
+        done.add_done_callback(lambda f: self._ended(f, writes, then, keep_errors))
         if after is None or after.done():
             self._hand(writes, after, done)
             return done
@@ -257,23 +256,32 @@ class Disk:
             if after is not None:
                 after.result()
             with self._cv:  # its bytes are there: reads of them may copy them from now on
-                self._writing[done] = writes
+                for target, tensor in writes.items():
+                    self._writing.setdefault(_key(target), []).append((done, target, tensor))
             written = _start_all(functools.partial(_start_write, self.store), writes)
         except BaseException as exc:
             done.set_exception(exc)
             return
         written.add_done_callback(lambda w: _settle(done, w))
 
-    def _ended(self, done: Future[Any], then: Then | None, keep_errors: bool) -> None:
-        """Record a write's end: its failure first (for the ``raise_errors`` of whoever its
-        ``then`` wakes), then ``then``, and only then the write leaves :attr:`in_flight`, so
-        that :meth:`wait` (and a front end waiting for room) finds what ``then`` gave back."""
+    def _ended(
+        self, done: Future[Any], writes: Writes, then: Then | None, keep_errors: bool
+    ) -> None:
+        """Record a write's end: once no read copies from its tensors, reads stop copying
+        from it; its failure first (for the ``raise_errors`` of whoever its ``then`` wakes),
+        then ``then``, and only then the write leaves :attr:`in_flight`, so that :meth:`wait`
+        (and a front end waiting for room) finds what ``then`` gave back."""
         error = done.exception()
         with self._cv:
             while self._pins.get(done):  # a forwarded read still copies its tensors
                 self._cv.wait()
             self._pins.pop(done, None)
-            self._writing.pop(done, None)
+            for key in {_key(target) for target in writes}:
+                left = [entry for entry in self._writing.get(key, ()) if entry[0] is not done]
+                if left:
+                    self._writing[key] = left
+                else:
+                    self._writing.pop(key, None)
             if error is not None and keep_errors:
                 self._errors.append(error)
         try:
@@ -291,7 +299,7 @@ class Disk:
         for handed in self.unsent_to((key,)):
             handed.exception()
         with self._cv:
-            while any(overlap(t, key) for writes in self._writing.values() for t in writes):
+            while key in self._writing:
                 self._cv.wait()  # each end notifies
         self.store.put(key, tensor)
 
