@@ -169,21 +169,23 @@ class Disk:
 
     def _forward(self, target: Target, out: torch.Tensor | None) -> Future[torch.Tensor] | None:
         """``target``'s values copied into ``out`` (a new tensor if ``None``) from the newest
-        write in flight that overlaps it, if that write holds all of them in ``out``'s dtype;
-        else ``None``. The write does not end (its tensor is not given back) during the
-        copy."""
+        write in flight that overlaps it, if that write holds all of them (as many as ``out``
+        holds, in its dtype); else ``None``. The write does not end (its tensor is not given
+        back) during the copy."""
         with self._cv:
             found = self._newest_holding(target)
-            if found is None or (out is not None and out.dtype != found[1].dtype):
+            if found is None:
                 return None
             done, source = found
+            if out is not None and (out.dtype != source.dtype or out.numel() != source.numel()):
+                return None
             self._pins[done] = self._pins.get(done, 0) + 1
         try:
             with torch.no_grad():
                 if out is None:
                     out = source.clone()
                 else:
-                    out.view(-1).copy_(source.reshape(-1))
+                    out.copy_(source.reshape(out.shape))
         finally:
             with self._cv:
                 self._pins[done] -= 1
