@@ -44,7 +44,7 @@ class ReadsAhead:
         """Read ahead the values of the parameters of slots ``indices`` (the next modules'):
         now, or once the step into the forward has updated them (those waiting from an
         earlier call are the modules before these: their own uses read them)."""
-        slots = self._parts.layout.slots
+        slots, indices = self._parts.layout.slots, list(indices)  # (read twice below)
         self._after_step = {i for i in indices if self._step.pending(slots[i].param)}
         self._read([i for i in indices if i not in self._after_step])
 
