@@ -6,6 +6,8 @@ step. Every test runs both ways: "auto" ends the step in step(), "forward" in th
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from tierswap.errors import FailedStepError
 from tierswap.optim import SwapOptimizer
 from tierswap.optim.step import _speculation
 from tierswap.optim.step._speculation import FIRST_PAUSE, Stamp, same_groups
+from tierswap.pipeline import Pipeline
 
 LAYERS = 6
 MODE = {"overlap": "auto"}  # the mode the module's tests run under (the fixture sets it)
@@ -180,9 +183,38 @@ def test_resident_slices_speculate_where_the_step_before_committed(
     expected = len(speculating) * len(opt.slices), len(redone) * len(opt.slices)
     if MODE["overlap"] == "auto":
         assert (stats["speculated"], stats["redone"]) == expected
-    else:  # the commit that runs into the next forward may not have ended when backward asks
+    else:  # the step that runs into the next forward may not have ended when backward asks
         assert stats["speculated"] <= expected[0]
         assert stats["redone"] <= expected[1]
+
+
+def test_a_resident_slice_does_not_speculate_while_the_step_before_runs(
+    tmp_path, monkeypatch
+) -> None:
+    """With ``"forward"`` the next backward may begin while the step before still runs on the
+    worker (the forward waited for its parameters alone), maybe before that step has kept a
+    resident slice's results: the pipeline, the worker's then, would tell a store one step
+    behind for current (a redo would start from it: found bitwise wrong under load). The
+    slice steps after backward instead, and the pipeline is not asked."""
+    asked = []
+    monkeypatch.setattr(Pipeline, "unflushed", lambda self, name: asked.append(name) or False)
+    _, _, model, opt = _pair(tmp_path, dtype=torch.bfloat16, host_budget=None, commit_every=1)
+    stepper, release = opt._stepper, threading.Event()
+    with opt:
+        _train(model, opt, _batches(2, torch.bfloat16))  # state made, resident, committed
+        opt.synchronize()
+        piece = opt.slices[0]
+        assert piece.index in opt.placement
+        asked.clear()
+        assert stepper._speculable(piece)  # the worker idle: the pipeline answers
+        assert asked == [piece.index]
+        stepper.deferred.start({}, lambda: release.wait(timeout=10))  # a step under way
+        try:
+            assert not stepper._speculable(piece)
+        finally:
+            release.set()
+            stepper.deferred.wait()
+        assert asked == [piece.index]
 
 
 def test_resident_slices_of_a_step_not_taken_are_rolled_back(tmp_path) -> None:

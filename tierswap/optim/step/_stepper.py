@@ -515,10 +515,16 @@ class Stepper:
         return to: one that streams, or a resident one whose tensors have not changed since a
         commit flushed them (the step before committed), beside parameters that have masters
         or stream. (A resident slice stepping after backward writes nothing: speculating must
-        not write pre-step copies of parameters either, :meth:`_write_pre_step_params`.)"""
+        not write pre-step copies of parameters either, :meth:`_write_pre_step_params`.)
+
+        Not a resident one while the step before still runs on the worker (``"forward"``:
+        the forward waited for the parameters alone): the pipeline is the worker's then, and
+        the step may not have kept the slice's results yet, so the pipeline would tell a
+        store one step behind for current."""
         names, pipeline = self.parts.state.names, self.parts.backend.pipeline
         if piece.index in self.layout.placement and (
-            pipeline.unflushed(piece.index)
+            self.deferred.busy
+            or pipeline.unflushed(piece.index)
             or any(seg.slot.persists_param and not seg.slot.streamed for seg in piece.segments)
         ):
             return False
