@@ -196,16 +196,14 @@ def test_a_resident_slice_does_not_speculate_while_the_step_before_runs(
     resident slice's results: the pipeline, the worker's then, would tell a store one step
     behind for current (a redo would start from it: found bitwise wrong under load). The
     slice steps after backward instead, and the pipeline is not asked."""
-    asked = []
-    monkeypatch.setattr(Pipeline, "unflushed", lambda self, name: asked.append(name) or False)
     _, _, model, opt = _pair(tmp_path, dtype=torch.bfloat16, host_budget=None, commit_every=1)
-    stepper, release = opt._stepper, threading.Event()
+    stepper, release, asked = opt._stepper, threading.Event(), []
     with opt:
         _train(model, opt, _batches(2, torch.bfloat16))  # state made, resident, committed
         opt.synchronize()
         piece = opt.slices[0]
         assert piece.index in opt.placement
-        asked.clear()
+        monkeypatch.setattr(Pipeline, "unflushed", lambda self, name: asked.append(name) or False)
         assert stepper._speculable(piece)  # the worker idle: the pipeline answers
         assert asked == [piece.index]
         stepper.deferred.start({}, lambda: release.wait(timeout=10))  # a step under way
