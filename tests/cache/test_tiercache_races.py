@@ -135,3 +135,33 @@ def test_a_host_get_returns_the_cached_buffer_that_a_same_shape_put_updates(stor
         assert torch.equal(kept, torch.ones(4))
         cache.put("k", torch.zeros(5), tier="host")  # another shape: a new buffer
         assert torch.equal(held, torch.zeros(4))
+
+
+def test_a_prefetch_does_not_move_an_item_being_pinned(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between finding a key's entry and pinning it (or returning its tensor) a call releases the
+    lock; a prefetch then moved the entry to the other tier, and the caller got the new buffer
+    before the copy filled it: a change made under the pin was lost when the copy landed, a get
+    returned stale bytes (both seen in the many-threads test). The prefetch now waits while the
+    entry is held."""
+    store.put("x", torch.zeros(1024))
+    with TierCache(store, device_budget="1MiB", host_budget="1MiB") as cache:
+        cache.get("x", tier="host")
+        drain = cache._gate.drain  # white-box: the lock released, the entry held, not pinned yet
+        asked: list[str] = []
+
+        def drain_then_prefetch() -> None:
+            drain()
+            if not asked and threading.current_thread() is threading.main_thread():
+                asked.append("x")
+                cache.prefetch(["x"], tier="device")
+
+        monkeypatch.setattr(cache._gate, "drain", drain_then_prefetch)
+        with cache.pinned("x", tier="host", dirty=True) as t:
+            assert cache.where("x") == "host"
+            t.add_(1)
+        assert asked == ["x"]
+        monkeypatch.undo()
+        cache.flush()
+    assert torch.equal(store.get("x"), torch.ones(1024))

@@ -104,7 +104,8 @@ class Prefetcher:
     def _try_move(core: CacheCore, entry: Entry, tier: TierName) -> str:
         if entry.tier in (tier, DEVICE):
             return _DONE
-        if entry.state == LOADING:
+        if entry.state == LOADING or (entry.claims and not entry.pins):
+            # being read in, or held for a caller: the tensor handed out must stay the entry's
             return _PENDING
         if entry.pins or entry.state != READY:
             return _DONE
