@@ -137,9 +137,10 @@ class HeldWrites:
     """A store whose region writes reach the real store only once ``release`` is set: until
     then they are in flight."""
 
-    def __init__(self, store: ts.SwapStore) -> None:
+    def __init__(self, store: ts.SwapStore, *, fail: bool = False) -> None:
         self._store = store
         self.release = threading.Event()
+        self.fail = fail  # once released, the writes fail instead of reaching the store
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
@@ -149,6 +150,9 @@ class HeldWrites:
 
         def write() -> None:
             self.release.wait(5)
+            if self.fail:
+                done.set_exception(OSError(5, "Input/output error"))
+                return
             self._store.put_region_async(key, start, tensor).result()
             done.set_result(None)
 
@@ -178,6 +182,24 @@ def test_a_read_that_a_write_in_flight_holds_is_copied_from_it(store) -> None:
     disk.read(Region("x", 100, 200), out).result()
     assert torch.equal(out, torch.arange(100.0, 200.0))  # from the store now
     assert disk.traffic()["bytes_forwarded"] == 400
+
+
+def test_a_read_copied_from_a_write_that_then_fails_leaves_the_failure_to_raise(store) -> None:
+    """A read copied from a write in flight holds values the store never gets when that write
+    fails. Nothing is lost silently: the failure is kept and raised once (the front ends raise
+    it before a commit), and a read after it gets what the store holds."""
+    held = HeldWrites(store, fail=True)
+    disk = Disk(held, threading.Condition())
+    ended: list[BaseException | None] = []
+    disk.write({Region("x", 0, 8): torch.full((8,), 2.0)}, then=ended.append)
+    out = disk.read(Region("x", 0, 4), torch.empty(4)).result()
+    assert torch.equal(out, torch.full((4,), 2.0))  # copied from the write
+    held.release.set()
+    disk.wait()
+    assert isinstance(ended[0], OSError)
+    with pytest.raises(OSError, match="Input/output error"):
+        disk.raise_errors()
+    assert torch.equal(disk.read(Region("x", 0, 4)).result(), torch.zeros(4))  # the store's
 
 
 def test_the_newest_write_that_overlaps_a_read_decides(store) -> None:
